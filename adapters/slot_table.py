@@ -1,0 +1,111 @@
+"""SlotTable: which adapter version sits in which device slot, who is using it, and what may be evicted.
+
+Slots in use by running sequences are never overwritten. When every slot is in use and another adapter is
+waiting, one slot is marked draining: it takes no new sequences, and once its last sequence finishes it
+goes to the waiter. That bounds a cold adapter's wait (no starvation when active adapters outnumber slots)
+without evicting anything mid-request. Pinned adapters are never evicted or drained.
+"""
+
+from collections import OrderedDict
+
+from adapters.ref import AdapterRef
+
+
+class SlotTable:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._ref: list[AdapterRef | None] = [None] * num_slots
+        self._users = [0] * num_slots
+        self._slot_of: dict[AdapterRef, int] = {}
+        self._idle: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # occupied, unused slots; least recently used first
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._draining: set[int] = set()
+        self.pinned: set[AdapterRef] = set()
+        self.loads = 0
+        self.evictions = 0
+
+    def lookup(self, ref: AdapterRef) -> int | None:
+        """The slot holding `ref`, if it may take new sequences."""
+        slot = self._slot_of.get(ref)
+        return None if slot is None or slot in self._draining else slot
+
+    def holds(self, ref: AdapterRef) -> bool:
+        return ref in self._slot_of
+
+    def acquire(self, slot: int) -> None:
+        if self._users[slot] == 0:
+            self._idle.pop(slot, None)
+        self._users[slot] += 1
+
+    def release(self, slot: int) -> None:
+        self._users[slot] -= 1
+        if self._users[slot] == 0:
+            if slot in self._draining:
+                self._evict(slot)
+            else:
+                self._idle[slot] = None
+
+    def claim(self, ref: AdapterRef) -> int | None:
+        """A slot to load `ref` into (free, or the LRU idle one evicted), or None if all are busy.
+        The caller writes the weights, then acquires."""
+        assert ref not in self._slot_of, f"{ref} is already resident"
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((s for s in self._idle if self._ref[s] not in self.pinned), None)
+            if victim is None:
+                return None
+            self._evict(victim)
+            slot = self._free.pop()
+        self._ref[slot] = ref
+        self._slot_of[ref] = slot
+        self._idle[slot] = None
+        self.loads += 1
+        return slot
+
+    def drain_one(self) -> bool:
+        """Mark the busy, unpinned slot with the fewest users as draining (unless one already drains)."""
+        if self._draining:
+            return True
+        candidates = [
+            s for s in range(self.num_slots) if self._ref[s] is not None and self._ref[s] not in self.pinned
+        ]
+        if not candidates:
+            return False
+        self._draining.add(min(candidates, key=lambda s: self._users[s]))
+        return True
+
+    def remove(self, adapter_id: str) -> list[AdapterRef]:
+        """Forget every version of an adapter: idle slots free now, busy ones when their sequences end."""
+        removed = [ref for ref in self._slot_of if ref.adapter_id == adapter_id]
+        for ref in removed:
+            self.pinned.discard(ref)
+            slot = self._slot_of[ref]
+            if self._users[slot] == 0:
+                self._evict(slot)
+            else:
+                self._draining.add(slot)
+        return removed
+
+    def resident(self) -> dict[AdapterRef, int]:
+        return dict(self._slot_of)
+
+    def users(self, slot: int) -> int:
+        return self._users[slot]
+
+    @property
+    def num_free(self) -> int:
+        """Slots a new adapter could take now without waiting."""
+        return len(self._free) + sum(1 for s in self._idle if self._ref[s] not in self.pinned)
+
+    def _evict(self, slot: int) -> None:
+        ref = self._ref[slot]
+        if ref is not None:
+            del self._slot_of[ref]
+            self.evictions += 1
+        self._ref[slot] = None
+        self._idle.pop(slot, None)
+        self._draining.discard(slot)
+        self._free.append(slot)

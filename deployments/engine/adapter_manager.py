@@ -1,0 +1,150 @@
+"""AdapterManager: the engine's view of adapters across tiers (device slots <- CPU memory <- disk store).
+
+The scheduler asks `acquire(ref)` for each waiting request: it answers with a device slot, or None while
+the adapter is still loading or waiting for a slot (only that request waits; others keep running).
+"""
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from adapters.cpu_cache import CpuAdapterCache
+from adapters.errors import AdapterInvalid, AdapterNotFound, AdapterRankTooLarge
+from adapters.ref import AdapterRef
+from adapters.slot_table import SlotTable
+from adapters.spec import AdapterSpec
+from adapters.store import AdapterStore
+from adapters.weights import AdapterWeights, load_adapter_weights
+from deployments.engine.lora_layers import MultiLoRALinear, load_adapter_into_slot
+
+log = logging.getLogger(__name__)
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        store: AdapterStore,
+        lora_modules: dict[str, MultiLoRALinear],
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.store = store
+        self._modules = lora_modules
+        self._targets = {path.rsplit(".", 1)[-1] for path in lora_modules}
+        self.max_rank = max_rank
+        self._dtype = dtype
+        self._device = device
+        self._specs: dict[AdapterRef, AdapterSpec] = {}
+        self.slots = SlotTable(max_loras)
+        self.cpu = CpuAdapterCache(self._load, capacity=max_cpu_loras)
+        self.on_loaded: Callable[[], None] = lambda: None  # the engine loop's wake-up
+        self.activation_seconds = 0.0  # time spent writing adapters into slots
+
+    def check(self, ref: AdapterRef) -> AdapterSpec:
+        """Raise a named error if `ref` cannot be served here (missing, rank too large, unsupported)."""
+        spec = self._specs.get(ref)
+        if spec is None:
+            if not self.store.exists(ref):
+                raise AdapterNotFound(str(ref))
+            spec = AdapterSpec.from_dir(self.store.path(ref))
+            self._specs[ref] = spec
+        if spec.max_rank > self.max_rank:
+            raise AdapterRankTooLarge(spec.max_rank, self.max_rank)
+        unknown = sorted(set(spec.target_modules) - self._targets)
+        if unknown:
+            raise AdapterInvalid([f"target modules {unknown} are not LoRA targets of this engine"])
+        return spec
+
+    def acquire(self, ref: AdapterRef) -> int | None:
+        """A device slot holding `ref` (its user count raised), or None if the caller must wait."""
+        slot = self.slots.lookup(ref)
+        if slot is not None:
+            self.slots.acquire(slot)
+            return slot
+        if self.slots.holds(ref):  # resident but draining: wait until it frees, never load it twice
+            return None
+        weights = self.cpu.get(ref)  # raises if the load failed
+        if weights is None:
+            self._prefetch(ref)
+            return None
+        slot = self.slots.claim(ref)
+        if slot is None:
+            self.slots.drain_one()
+            return None
+        start = time.perf_counter()
+        load_adapter_into_slot(self._modules, slot, weights)
+        self.activation_seconds += time.perf_counter() - start
+        self.slots.acquire(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.slots.release(slot)
+
+    def prefetch(self, ref: AdapterRef) -> None:
+        self.check(ref)
+        self._prefetch(ref)
+
+    def pin(self, ref: AdapterRef) -> None:
+        """Keep `ref` in a device slot for good; it is loaded by the next request or acquire."""
+        self.check(ref)
+        if len(self.slots.pinned) + 1 >= self.slots.num_slots:
+            raise AdapterInvalid(
+                [f"cannot pin more than {self.slots.num_slots - 1} adapters (max_loras - 1)"]
+            )
+        self.slots.pinned.add(ref)
+        self.cpu.pin(ref)
+        self._prefetch(ref)
+
+    def unpin(self, ref: AdapterRef) -> None:
+        self.slots.pinned.discard(ref)
+        self.cpu.unpin(ref)
+
+    def remove(self, adapter_id: str) -> None:
+        """Drop every version from memory; running requests finish on the version they hold."""
+        self.slots.remove(adapter_id)
+        self.cpu.remove(adapter_id)
+        for ref in [r for r in self._specs if r.adapter_id == adapter_id]:
+            del self._specs[ref]
+
+    def load_pinned(self) -> None:
+        """Bring pinned adapters whose weights are ready into slots (called between steps)."""
+        for ref in list(self.slots.pinned):
+            if not self.slots.holds(ref):
+                slot = self.acquire(ref)
+                if slot is not None:
+                    self.slots.release(slot)
+
+    def close(self) -> None:
+        self.cpu.close()
+
+    def _prefetch(self, ref: AdapterRef) -> None:
+        future = self.cpu.prefetch(ref)
+        if future is not None:
+            future.add_done_callback(lambda _: self.on_loaded())
+
+    def _load(self, ref: AdapterRef) -> AdapterWeights:
+        spec = self.check(ref)
+        weights = load_adapter_weights(self.store.path(ref), spec, dtype=self._dtype)
+        problems = []
+        for path, w in weights.modules.items():
+            module = self._modules.get(path)
+            if module is None:
+                problems.append(f"{path} is not a LoRA target of this engine")
+            elif w.a.shape[1] != module.in_features or w.b.shape[0] != module.out_features:
+                problems.append(
+                    f"{path}: adapter shapes A{tuple(w.a.shape)} B{tuple(w.b.shape)} do not fit the base "
+                    f"layer ({module.in_features} -> {module.out_features})"
+                )
+        if problems:
+            raise AdapterInvalid(problems)
+        if self._device.type == "cuda":  # pinned host memory makes the slot copy asynchronous
+            for w in weights.modules.values():
+                w.a, w.b = w.a.pin_memory(), w.b.pin_memory()
+        log.info("adapter %s loaded into CPU memory (%.1f MiB)", ref, weights.nbytes / 2**20)
+        return weights

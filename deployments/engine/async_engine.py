@@ -1,0 +1,198 @@
+"""AsyncEngine: runs LLMEngine.step() in a dedicated thread and streams outputs to asyncio callers.
+
+The forward pass is long CPU/GPU work; keeping it off the event loop keeps the replica responsive
+(health checks, new requests, aborts). Callers talk to the loop thread through an inbox; outputs come
+back through per-request asyncio queues on the caller's loop. Leaving `generate()` early (client
+disconnect, cancellation) aborts the request, so no generation is ever orphaned.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from adapters.ref import AdapterRef
+from deployments.engine.config import EngineConfig
+from deployments.engine.errors import DuplicateRequestId, EngineStopped
+from deployments.engine.llm_engine import LLMEngine
+from deployments.engine.model_loader import LoadedModel
+from deployments.engine.outputs import EngineStats, RequestOutput
+from deployments.engine.sampling_params import SamplingParams
+from deployments.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+        self.engine = LLMEngine(config, loaded=loaded)
+        self.engine.adapters.on_loaded = self._wake
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: AdapterRef | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request. Bad input raises before the first yield."""
+        self._check_running()
+        if request_id in self._streams:
+            raise DuplicateRequestId(request_id)
+        seq = self.engine.make_sequence(request_id, prompt_ids, params, adapter, cache_salt=cache_salt)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._submit(lambda: self._add(seq))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the caller went away: stop generating for it
+                self._submit(lambda: self._abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run `fn(engine)` on the loop thread between steps (adapter pin/remove, etc.)."""
+        self._check_running()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[object] = loop.create_future()
+
+        def job() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as error:
+                loop.call_soon_threadsafe(_set_exception, done, error)
+            else:
+                loop.call_soon_threadsafe(_set_result, done, result)
+
+        self._submit(job)
+        return await done
+
+    def pin_adapter(self, ref: AdapterRef) -> None:
+        self.engine.adapters.check(ref)
+        self._submit(lambda: self.engine.adapters.pin(ref))
+
+    def unpin_adapter(self, ref: AdapterRef) -> None:
+        self._submit(lambda: self.engine.adapters.unpin(ref))
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        self._submit(lambda: self.engine.adapters.remove(adapter_id))
+
+    def prefetch_adapter(self, ref: AdapterRef) -> None:
+        self.engine.adapters.prefetch(ref)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._wake()
+        self._thread.join(timeout=30)
+        self.engine.close()
+
+    # -- loop thread ----------------------------------------------------------------------------------
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        self._inbox.put(job)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def _check_running(self) -> None:
+        if self._stopped.is_set() or self._error is not None:
+            raise EngineStopped(f"engine is not running: {self._error or 'shut down'}")
+
+    def _add(self, seq: Sequence) -> None:
+        if seq.request_id not in self._streams:  # cancelled before it reached the loop
+            return
+        self.engine.add_sequence(seq)
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver([out])
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox()
+                busy = self.engine.has_unfinished()
+                if busy:
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._deliver(outputs)
+                if (not busy or self.engine.last_step_tokens == 0) and self._inbox.empty():
+                    # Idle, or every waiting request waits on an adapter load: sleep until woken.
+                    self._wakeup.wait(timeout=0.05 if busy else 1.0)
+                    self._wakeup.clear()
+        except BaseException as error:  # a bug in the loop: fail every stream rather than hang them
+            log.exception("engine loop died")
+            self._error = error
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineStopped(str(error)))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            job()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():  # one thread hop per event loop per step
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
+def _set_result(future: asyncio.Future[object], value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[object], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,91 @@
+"""EngineConfig: everything one engine replica needs to know, validated up front."""
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Quantization = Literal["none", "nf4", "int8", "awq"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+DEFAULT_LORA_TARGETS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Path = Field(
+        description="Local HuggingFace model directory (config.json, safetensors, tokenizer)."
+    )
+    served_model_name: str | None = Field(
+        default=None, description="Name clients use for the base model; defaults to the directory name."
+    )
+    quantization: Quantization = Field(
+        default="none",
+        description="Base weights: none (dtype below), bitsandbytes nf4 or int8, or an AWQ checkpoint.",
+    )
+    dtype: DTypeName = Field(
+        default="auto",
+        description="Compute dtype. auto: float32 on CPU (exact reference matching), bfloat16 on CUDA.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto picks CUDA if present.")
+    max_loras: int = Field(default=8, ge=1, le=256, description="Adapter slots on the device.")
+    max_cpu_loras: int = Field(default=32, ge=1, description="Adapters kept in CPU memory (LRU).")
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=256, description="Largest servable rank; slots pad to it."
+    )
+    lora_target_modules: tuple[str, ...] = Field(
+        default=DEFAULT_LORA_TARGETS, description="Linear module names that accept LoRA deltas."
+    )
+    adapter_store: Path = Field(description="Root of the versioned on-disk adapter store.")
+    block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(
+        default=None, ge=2, description="KV-cache blocks; when unset, sized from kv_cache_memory_mb."
+    )
+    kv_cache_memory_mb: int = Field(
+        default=256, ge=1, description="KV-cache budget when num_kv_blocks unset."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="Sequences decoded together in one step.")
+    max_num_batched_tokens: int = Field(
+        default=512, ge=16, description="Per-step token budget; long prompts are prefilled in chunks of it."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="Context limit (prompt + output); defaults to the model's."
+    )
+    max_waiting: int = Field(default=4096, ge=1, description="Queued requests beyond which add is refused.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes.")
+    seed: int = Field(default=0, description="Seed of the generator used by requests without their own.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if not self.lora_target_modules:
+            raise ValueError("lora_target_modules must not be empty")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model.name
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -1,0 +1,46 @@
+"""Engine domain errors. app/errors.py alone turns them into HTTP responses."""
+
+
+class EngineError(Exception):
+    """Base class for errors raised by the engine API."""
+
+
+class InvalidRequest(EngineError):
+    """The request itself is wrong (the caller can fix it); the engine keeps serving others."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EmptyPrompt(InvalidRequest):
+    def __init__(self) -> None:
+        super().__init__("prompt is empty: at least one token is required", param="prompt")
+
+
+class PromptTooLong(InvalidRequest):
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}, but the model's context "
+            f"is {max_model_len} tokens",
+            param="messages",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class InvalidSamplingParams(InvalidRequest):
+    """A sampling value is out of range; the message names the value and its limit."""
+
+
+class DuplicateRequestId(InvalidRequest):
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already running", param=None)
+
+
+class EngineStopped(EngineError):
+    """The engine loop is not running (shut down, or it failed)."""
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is full; the caller should retry later or on another replica."""

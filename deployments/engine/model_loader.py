@@ -1,0 +1,144 @@
+"""Load a HuggingFace causal LM once, resident, in the configured precision, and wrap it for multi-LoRA.
+
+transformers owns architectures, weights and quantized linears (bitsandbytes nf4/int8, AWQ through
+gptqmodel); we only swap in our paged attention by name and wrap the LoRA target linears afterwards.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from deployments.engine.attention import register_paged_attention
+from deployments.engine.config import EngineConfig
+from deployments.engine.lora_layers import LoRAContext, MultiLoRALinear, wrap_lora_modules
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    lora_modules: dict[str, MultiLoRALinear]  # module path (as in the unwrapped model) -> wrapper
+    lora_context: LoRAContext
+    device: torch.device
+    dtype: torch.dtype  # activations, KV cache and LoRA slots
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    weights_bytes: int  # the base model's parameters and buffers, as resident
+    lora_slot_bytes: int
+
+
+def _quantization_config(config: EngineConfig, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    bnb = BitsAndBytesConfig  # untyped in transformers
+    if config.quantization == "nf4":
+        return bnb(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)  # type: ignore[no-untyped-call]
+    if config.quantization == "int8":
+        return bnb(load_in_8bit=True)  # type: ignore[no-untyped-call]
+    return None  # "none", or "awq" whose quantization_config lives in the checkpoint's config.json
+
+
+def _check_checkpoint(config: EngineConfig, hf_config: PretrainedConfig) -> None:
+    quant = getattr(hf_config, "quantization_config", None)
+    method = (
+        (quant or {}).get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    )
+    if config.quantization == "awq" and str(method).lower() != "awq":
+        raise ValueError(
+            f"quantization=awq but {config.model} is not an AWQ checkpoint (quant_method={method})"
+        )
+    if config.quantization != "awq" and method is not None:
+        raise ValueError(f"{config.model} is pre-quantized ({method}); set quantization to match")
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig | None) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = None if generation is None else generation.eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(i) for i in eos)
+    return frozenset(ids)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    device = config.torch_device()
+    dtype = config.torch_dtype()
+    hf_config = AutoConfig.from_pretrained(config.model)
+    _check_checkpoint(config, hf_config)
+    model = AutoModelForCausalLM.from_pretrained(
+        config.model,
+        dtype=dtype,
+        quantization_config=_quantization_config(config, dtype),
+        attn_implementation=register_paged_attention(),
+        device_map={"": device},
+    )
+    model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
+    weights_bytes = int(model.get_memory_footprint())  # type: ignore[no-untyped-call]
+
+    context = LoRAContext()
+    lora_modules = wrap_lora_modules(
+        model,
+        targets=config.lora_target_modules,
+        max_loras=config.max_loras,
+        max_rank=config.max_lora_rank,
+        dtype=dtype,
+        device=device,
+        context=context,
+    )
+    slot_bytes = sum(m.lora_a.nbytes + m.lora_b.nbytes for m in lora_modules.values())
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    try:
+        generation = GenerationConfig.from_pretrained(config.model)
+    except OSError:
+        generation = None
+
+    text_config = hf_config.get_text_config()
+    heads = int(text_config.num_attention_heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+    max_len = config.max_model_len or int(text_config.max_position_embeddings)
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        lora_modules=lora_modules,
+        lora_context=context,
+        device=device,
+        dtype=dtype,
+        num_layers=int(text_config.num_hidden_layers),
+        num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        vocab_size=len(tokenizer),
+        max_model_len=max_len,
+        eos_token_ids=_eos_ids(tokenizer, generation),
+        weights_bytes=weights_bytes,
+        lora_slot_bytes=slot_bytes,
+    )
+    log.info(
+        "loaded %s (%s, %s on %s): weights %.1f MiB, %d LoRA modules x %d slots = %.1f MiB",
+        config.model,
+        config.quantization,
+        dtype,
+        device,
+        weights_bytes / 2**20,
+        len(lora_modules),
+        config.max_loras,
+        slot_bytes / 2**20,
+    )
+    return loaded

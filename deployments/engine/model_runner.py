@@ -1,0 +1,139 @@
+"""ModelRunner: turns a scheduled step into packed tensors, runs the model once, returns the logits needed.
+
+All index tensors are built on the host with vectorised torch ops (no per-layer or per-module host
+syncs) and copied to the device once per step; attention and LoRA read them from the step metadata.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from deployments.engine.attention import METADATA_KWARG, AttentionMetadata, PrefillSpan
+from deployments.engine.kv_cache import KVCache
+from deployments.engine.lora_layers import LoRABatch, LoRAContext
+from deployments.engine.model_loader import LoadedModel
+from deployments.engine.scheduler import ScheduledSequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    logits_index: torch.Tensor  # [N] packed positions whose logits are sampled
+    attention: AttentionMetadata
+    lora: LoRABatch | None
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, *, max_loras: int) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.max_loras = max_loras
+        self.lora_context: LoRAContext = loaded.lora_context
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        """Forward one step; returns logits [N, V] (float32) for the sequences that sample, in order."""
+        inputs = self.prepare(scheduled)
+        self.lora_context.batch = inputs.lora
+        try:
+            out = self.model(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.positions,
+                use_cache=False,
+                logits_to_keep=inputs.logits_index,
+                **{METADATA_KWARG: inputs.attention},
+            )
+        finally:
+            self.lora_context.batch = None
+        logits: torch.Tensor = out.logits[0]
+        return logits.float()
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        starts: list[int] = []  # per sequence: first computed position
+        lengths: list[int] = []
+        tables: list[list[int]] = []
+        for item in scheduled:
+            seq = item.seq
+            ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + item.num_tokens])
+            starts.append(seq.num_computed)
+            lengths.append(item.num_tokens)
+            tables.append(seq.block_table)
+        lens = torch.tensor(lengths)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), lens)  # [T]
+        token_start = torch.cumsum(lens, 0) - lens  # [S] first packed index of each sequence
+        positions = torch.tensor(starts)[seq_of_token] + torch.arange(len(ids)) - token_start[seq_of_token]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [S, max_blocks]
+        slot_mapping = table[seq_of_token, positions // bs] * bs + positions % bs  # [T]
+
+        decode_rows = [i for i, n in enumerate(lengths) if n == 1]
+        decode_token_index = decode_kv_index = decode_context_lens = None
+        if decode_rows:
+            rows = torch.tensor(decode_rows)
+            ctx = torch.tensor(starts)[rows] + 1  # context includes the new token
+            kv_pos = torch.arange(int(ctx.max()))  # [Lmax]
+            sub = table[rows]
+            # Padding points at slot 0 (any valid slot); the mask hides it.
+            decode_kv_index = sub.gather(1, (kv_pos // bs).clamp(max=width - 1).expand(len(rows), -1)) * bs
+            decode_kv_index += kv_pos % bs
+            decode_kv_index[kv_pos[None, :] >= ctx[:, None]] = 0
+            decode_token_index = token_start[rows]
+            decode_context_lens = ctx
+
+        prefills: list[PrefillSpan] = []
+        for i, n in enumerate(lengths):
+            if n == 1:
+                continue
+            context_len = starts[i] + n
+            kv_index = None
+            if starts[i] > 0:
+                pos = torch.arange(context_len)
+                kv_index = (table[i, pos // bs] * bs + pos % bs).to(self.device)
+            prefills.append(PrefillSpan(int(token_start[i]), n, context_len, kv_index))
+
+        logits_index = [int(token_start[i]) + lengths[i] - 1 for i, s in enumerate(scheduled) if s.samples]
+        dev = self.device
+        attention = AttentionMetadata(
+            kv_caches=self.kv_cache.layers,
+            slot_mapping=slot_mapping.to(dev),
+            decode_token_index=None if decode_token_index is None else decode_token_index.to(dev),
+            decode_kv_index=None if decode_kv_index is None else decode_kv_index.to(dev),
+            decode_context_lens=None if decode_context_lens is None else decode_context_lens.to(dev),
+            prefills=prefills,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, device=dev)[None],
+            positions=positions.to(dev)[None],
+            logits_index=torch.tensor(logits_index, device=dev),
+            attention=attention,
+            lora=self._lora_batch(scheduled, lengths),
+        )
+
+    def _lora_batch(self, scheduled: list[ScheduledSequence], lengths: list[int]) -> LoRABatch | None:
+        """Segments of tokens per slot; the scheduler already sorted sequences by slot, base last."""
+        ends = [0] * self.max_loras
+        segments: list[tuple[int, int, int]] = []
+        cursor = 0
+        for item, n in zip(scheduled, lengths, strict=True):
+            slot = item.seq.slot
+            if slot < 0:
+                break  # base-model sequences come last
+            if segments and segments[-1][0] == slot:
+                segments[-1] = (slot, segments[-1][1], cursor + n)
+            else:
+                segments.append((slot, cursor, cursor + n))
+            cursor += n
+        if not segments:
+            return None
+        end_of = {slot: end for slot, _, end in segments}
+        running_end = 0
+        for slot in range(self.max_loras):  # cumulative ends, empty groups included, as grouped_mm wants
+            running_end = end_of.get(slot, running_end)
+            ends[slot] = running_end
+        offsets = torch.tensor(ends, dtype=torch.int32, device=self.device)
+        return LoRABatch(num_lora_tokens=cursor, offsets=offsets, segments=segments)

@@ -1,0 +1,50 @@
+"""What the engine hands back per request and step: text deltas, and usage on the final output."""
+
+from dataclasses import dataclass, field
+
+from deployments.engine.sequence import FinishReason
+
+
+@dataclass(slots=True, frozen=True)
+class RequestUsage:
+    """Measured by the engine; the ingress turns it into the OpenAI usage block and the billing event."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float  # arrival -> first scheduled
+    ttft_ms: float | None  # arrival -> first token (None if none was produced)
+    total_ms: float  # arrival -> finish
+    gpu_ms: float  # this request's share of each step's device time
+    preemptions: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    text: str  # new text since the previous output
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the previous output
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    usage: RequestUsage | None = None  # set on the final output
+    error: str | None = None  # set when finish_reason is ERROR
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A replica's load and residency, for the router, autoscaling and metrics."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    free_slots: int
+    device_adapters: list[str]  # refs in device slots
+    cpu_adapters: list[str]  # refs in CPU memory
+    busy_seconds: float  # sum of step device times
+    wall_seconds: float  # since the engine started
+    steps: int
+    preemptions: int
+    prefix_hit_rate: float
+    adapter_loads: int  # device slot loads
+    adapter_evictions: int

@@ -1,0 +1,155 @@
+"""Scheduler: which sequences run in the next step, and how many of their tokens.
+
+Every step: running decodes first (one token each, so a long prompt never freezes them), then running
+prefills in chunks, then waiting requests in arrival order under the per-step token budget. A waiting
+request whose adapter is not resident is skipped (it waits only for its own adapter). When KV blocks run
+out, the newest running sequences are preempted (their blocks freed, recomputed later from the prefix
+cache), and they go back to the front of the queue so nobody starves.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from adapters.errors import AdapterError
+from deployments.engine.adapter_manager import AdapterManager
+from deployments.engine.block_manager import BlockManager
+from deployments.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # new tokens this step: 1 for a decode, a chunk for a prefill
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so the step yields its next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]  # sorted by adapter slot, base-model sequences last
+    failed: list[Sequence] = field(default_factory=list)  # finished with an error while scheduling
+    preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        adapters: AdapterManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int,
+    ) -> None:
+        self.blocks = blocks
+        self.adapters = adapters
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._base_order = max_loras  # sort key putting base-model tokens after every slot
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first
+        self.num_preemptions = 0
+        # Keep a few blocks free when admitting, so fresh admissions do not force immediate preemptions.
+        self._watermark = max(1, blocks.num_blocks // 100)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[])
+        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if n == 0:
+                continue
+            if self._make_room(seq, n, out):
+                out.scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
+        self._admit(budget, out)
+        out.scheduled.sort(key=lambda s: s.seq.slot if s.seq.slot >= 0 else self._base_order)
+        return out
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take a sequence out of the scheduler for good and free what it holds."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finished = time.monotonic()
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for n more tokens of a running sequence, preempting the newest ones if needed."""
+        while not self.blocks.allocate(seq, seq.num_computed + n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted += 1
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            if seq.adapter is not None:
+                try:
+                    slot = self.adapters.acquire(seq.adapter)
+                except AdapterError as error:  # the adapter failed to load: this request cannot be served
+                    seq.error = str(error)
+                    self.finish(seq, FinishReason.ERROR)
+                    out.failed.append(seq)
+                    continue
+                if slot is None:
+                    continue
+                seq.slot = slot
+            first = seq.metrics.first_scheduled is None
+            cached = self.blocks.match_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            needed = self.blocks.blocks_needed(seq, seq.num_computed + n)
+            if needed + self._watermark > self.blocks.num_free_blocks or not self.blocks.allocate(
+                seq, seq.num_computed + n
+            ):
+                self._release(seq)  # out of KV memory: stop admitting, keep arrival order
+                return
+            if first:
+                seq.metrics.first_scheduled = time.monotonic()
+                seq.metrics.cached_prompt_tokens = cached
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.blocks.free(seq)
+        if seq.slot >= 0:
+            self.adapters.release(seq.slot)
+            seq.slot = -1
