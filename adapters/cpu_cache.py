@@ -25,6 +25,7 @@ class CpuAdapterCache:
         self._loading: dict[AdapterRef, Future[AdapterWeights]] = {}
         self._failed: dict[AdapterRef, Exception] = {}
         self._pinned: set[AdapterRef] = set()
+        self._cancelled: set[AdapterRef] = set()  # removed while loading: not to be cached
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="adapter-load")
         self.loads = 0
         self.load_seconds = 0.0
@@ -68,6 +69,7 @@ class CpuAdapterCache:
                 for ref in [r for r in table if r.adapter_id == adapter_id]:
                     del table[ref]
             self._pinned = {r for r in self._pinned if r.adapter_id != adapter_id}
+            self._cancelled.update(r for r in self._loading if r.adapter_id == adapter_id)
 
     def resident(self) -> list[AdapterRef]:
         with self._lock:
@@ -87,19 +89,25 @@ class CpuAdapterCache:
         except Exception as error:
             with self._lock:
                 self._loading.pop(ref, None)
-                self._failed[ref] = error
+                if ref not in self._cancelled:
+                    self._failed[ref] = error
+                self._cancelled.discard(ref)
             raise
         with self._lock:
             self._loading.pop(ref, None)
-            self._ready[ref] = weights
             self.loads += 1
             self.load_seconds += time.perf_counter() - start
-            self._evict_over_capacity()
+            if ref in self._cancelled:  # the adapter was removed while it loaded
+                self._cancelled.discard(ref)
+                return weights
+            self._ready[ref] = weights
+            self._evict_over_capacity(keep=ref)
         return weights
 
-    def _evict_over_capacity(self) -> None:
+    def _evict_over_capacity(self, keep: AdapterRef) -> None:
+        """LRU eviction, never of a pinned ref or of the one just loaded (pins may overfill the cache)."""
         for ref in list(self._ready):
             if len(self._ready) <= self.capacity:
                 return
-            if ref not in self._pinned:
+            if ref not in self._pinned and ref != keep:
                 del self._ready[ref]

@@ -25,6 +25,14 @@ class UnsupportedAdapter(AdapterInvalid):
     """A well-formed adapter that uses an option this platform does not serve (DoRA, embeddings, ...)."""
 
 
+class AdapterLoadFailed(AdapterError):
+    """An adapter passed its checks but could not be read into memory (corrupt or vanished files)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"adapter {name} could not be loaded: {reason}")
+        self.name = name
+
+
 class AdapterRankTooLarge(AdapterInvalid):
     def __init__(self, rank: int, max_rank: int) -> None:
         super().__init__([f"adapter rank {rank} exceeds max_lora_rank {max_rank}"])

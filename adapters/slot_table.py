@@ -70,7 +70,9 @@ class SlotTable:
         if self._draining:
             return True
         candidates = [
-            s for s in range(self.num_slots) if self._ref[s] is not None and self._ref[s] not in self.pinned
+            s
+            for s in range(self.num_slots)
+            if self._users[s] > 0 and self._ref[s] is not None and self._ref[s] not in self.pinned
         ]
         if not candidates:
             return False
@@ -79,9 +81,9 @@ class SlotTable:
 
     def remove(self, adapter_id: str) -> list[AdapterRef]:
         """Forget every version of an adapter: idle slots free now, busy ones when their sequences end."""
+        self.pinned = {ref for ref in self.pinned if ref.adapter_id != adapter_id}
         removed = [ref for ref in self._slot_of if ref.adapter_id == adapter_id]
         for ref in removed:
-            self.pinned.discard(ref)
             slot = self._slot_of[ref]
             if self._users[slot] == 0:
                 self._evict(slot)

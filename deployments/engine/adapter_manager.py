@@ -7,11 +7,18 @@ the adapter is still loading or waiting for a slot (only that request waits; oth
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
 from adapters.cpu_cache import CpuAdapterCache
-from adapters.errors import AdapterInvalid, AdapterNotFound, AdapterRankTooLarge
+from adapters.errors import (
+    AdapterError,
+    AdapterInvalid,
+    AdapterLoadFailed,
+    AdapterNotFound,
+    AdapterRankTooLarge,
+)
 from adapters.ref import AdapterRef
 from adapters.slot_table import SlotTable
 from adapters.spec import AdapterSpec
@@ -86,9 +93,10 @@ class AdapterManager:
     def release(self, slot: int) -> None:
         self.slots.release(slot)
 
-    def prefetch(self, ref: AdapterRef) -> None:
+    def prefetch(self, ref: AdapterRef) -> Future[AdapterWeights] | None:
+        """Start loading `ref` into CPU memory; returns the pending load (None if already resident)."""
         self.check(ref)
-        self._prefetch(ref)
+        return self._prefetch(ref)
 
     def pin(self, ref: AdapterRef) -> None:
         """Keep `ref` in a device slot for good; it is loaded by the next request or acquire."""
@@ -115,22 +123,34 @@ class AdapterManager:
     def load_pinned(self) -> None:
         """Bring pinned adapters whose weights are ready into slots (called between steps)."""
         for ref in list(self.slots.pinned):
-            if not self.slots.holds(ref):
+            if self.slots.holds(ref):
+                continue
+            try:
                 slot = self.acquire(ref)
-                if slot is not None:
-                    self.slots.release(slot)
+            except AdapterError as error:  # gone or broken since it was pinned: stop trying
+                log.warning("unpinning %s: %s", ref, error)
+                self.unpin(ref)
+                continue
+            if slot is not None:
+                self.slots.release(slot)
 
     def close(self) -> None:
         self.cpu.close()
 
-    def _prefetch(self, ref: AdapterRef) -> None:
+    def _prefetch(self, ref: AdapterRef) -> Future[AdapterWeights] | None:
         future = self.cpu.prefetch(ref)
         if future is not None:
             future.add_done_callback(lambda _: self.on_loaded())
+        return future
 
     def _load(self, ref: AdapterRef) -> AdapterWeights:
         spec = self.check(ref)
-        weights = load_adapter_weights(self.store.path(ref), spec, dtype=self._dtype)
+        try:
+            weights = load_adapter_weights(self.store.path(ref), spec, dtype=self._dtype)
+        except AdapterError:
+            raise
+        except Exception as error:  # corrupt or vanished files: fail the requests, not the engine
+            raise AdapterLoadFailed(str(ref), str(error)) from error
         problems = []
         for path, w in weights.modules.items():
             module = self._modules.get(path)

@@ -109,7 +109,7 @@ class AsyncEngine:
         self._submit(lambda: self.engine.adapters.remove(adapter_id))
 
     def prefetch_adapter(self, ref: AdapterRef) -> None:
-        self.engine.adapters.prefetch(ref)
+        self.engine.adapters.prefetch(ref)  # the load runs in the adapter pool, not on the loop thread
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

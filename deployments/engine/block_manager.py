@@ -107,7 +107,7 @@ class BlockManager:
         start = index * self.block_size
         digest = hashlib.blake2b(digest_size=16)
         if parent is None:  # the root block carries what scopes the whole chain
-            digest.update(f"{seq.adapter}|{seq.cache_salt}".encode())
+            digest.update(repr((seq.adapter, seq.cache_salt)).encode())  # repr: None and "None" differ
         else:
             digest.update(parent)
         digest.update(array("q", seq.token_ids[start : start + self.block_size]).tobytes())

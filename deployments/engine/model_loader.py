@@ -83,12 +83,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = config.torch_dtype()
     hf_config = AutoConfig.from_pretrained(config.model)
     _check_checkpoint(config, hf_config)
+    quantization = _quantization_config(config, dtype)
+    # Passing quantization_config=None would override (drop) an AWQ checkpoint's own config.
+    extra = {} if quantization is None else {"quantization_config": quantization}
     model = AutoModelForCausalLM.from_pretrained(
         config.model,
         dtype=dtype,
-        quantization_config=_quantization_config(config, dtype),
         attn_implementation=register_paged_attention(),
         device_map={"": device},
+        **extra,
     )
     model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
     weights_bytes = int(model.get_memory_footprint())  # type: ignore[no-untyped-call]

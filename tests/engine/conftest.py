@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random-init models of three architectures, with the demo adapters in a store."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from adapters.demo_adapters import DEMO_ADAPTERS, build_demo_adapters
+from adapters.ref import AdapterRef
+from adapters.store import AdapterStore
+from deployments.engine.demo_model import ARCHS, build_model
+
+
+@dataclass(frozen=True)
+class TinySetup:
+    arch: str
+    model_dir: Path
+    store_root: Path
+    adapter_dirs: dict[str, Path]  # demo adapter name -> PEFT directory
+    refs: dict[str, AdapterRef]  # demo adapter name -> ref in the store
+
+
+@pytest.fixture(scope="session")
+def tiny_setups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinySetup]:
+    setups = {}
+    for arch in ARCHS:
+        root = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model_dir = build_model(root / "model", arch=arch, preset="tiny")
+        adapter_dirs = build_demo_adapters(model_dir, root / "adapters")
+        store = AdapterStore(root / "store")
+        refs = {name: store.put_dir(name, path) for name, path in adapter_dirs.items()}
+        setups[arch] = TinySetup(arch, model_dir, root / "store", adapter_dirs, refs)
+    assert len(DEMO_ADAPTERS) >= 4
+    return setups
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_setups: dict[str, TinySetup]) -> TinySetup:
+    return tiny_setups["llama"]

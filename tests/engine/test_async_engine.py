@@ -1,0 +1,109 @@
+"""The threaded async engine: streaming, concurrency, and no orphan generation when a caller leaves."""
+
+import asyncio
+import time
+
+import pytest
+
+from deployments.engine.async_engine import AsyncEngine
+from deployments.engine.config import EngineConfig
+from deployments.engine.errors import EngineStopped, PromptTooLong
+from deployments.engine.sampling_params import SamplingParams
+from deployments.engine.sequence import FinishReason
+from tests.engine.conftest import TinySetup
+from tests.engine.helpers import drain, make_engine, text, tokens
+
+
+@pytest.fixture
+def engine(llama: TinySetup):
+    config = EngineConfig(
+        model=llama.model_dir, adapter_store=llama.store_root, max_loras=4, block_size=4, num_kv_blocks=256
+    )
+    engine = AsyncEngine(config)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams, ref=None):
+    return [out async for out in engine.generate(rid, prompt, params, ref)]
+
+
+async def test_streams_the_same_text_as_the_sync_engine(engine: AsyncEngine, llama: TinySetup) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    streamed = await collect(engine, "s", [1, 2, 3, 4], params, llama.refs["demo-pirate"])
+    assert len(streamed) == 20
+    assert streamed[-1].finished
+    assert streamed[-1].usage is not None
+    assert all(not out.finished for out in streamed[:-1])
+
+    sync = make_engine(llama)
+    sync.add_request("s", [1, 2, 3, 4], params, llama.refs["demo-pirate"])
+    reference = drain(sync)["s"]
+    assert tokens(streamed) == tokens(reference)
+    assert (
+        text(streamed)
+        == text(reference)
+        == sync.tokenizer.decode(tokens(reference), skip_special_tokens=True)
+    )
+    sync.close()
+
+
+async def test_concurrent_requests_over_many_adapters(engine: AsyncEngine, llama: TinySetup) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    names = [*llama.refs, None, None]
+    results = await asyncio.gather(
+        *(
+            collect(engine, f"r{i}", [i + 1, i + 2, i + 3], params, None if n is None else llama.refs[n])
+            for i, n in enumerate(names)
+        )
+    )
+    assert all(len(tokens(r)) == 10 and r[-1].finish_reason is FinishReason.LENGTH for r in results)
+    stats = engine.stats()
+    assert stats.running == 0
+    assert stats.waiting == 0
+    assert stats.steps > 0
+    assert stats.busy_seconds > 0
+
+
+async def test_leaving_the_stream_aborts_the_request(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    received = []
+    async for out in engine.generate("gone", [1, 2, 3], params):
+        received.append(out)
+        if len(received) == 3:
+            break  # the client disconnected
+    assert all(out.token_ids for out in received)
+    deadline = time.monotonic() + 5
+    while engine.stats().running and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    stats = engine.stats()
+    assert stats.running == 0
+    assert stats.waiting == 0
+    assert stats.kv_usage == 0.0
+
+
+async def test_cancelled_task_aborts_too(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    task = asyncio.create_task(collect(engine, "cancel-me", [1, 2, 3], params))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 5
+    while engine.stats().running and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert engine.stats().running == 0
+
+
+async def test_bad_input_raises_before_anything_is_queued(engine: AsyncEngine) -> None:
+    with pytest.raises(PromptTooLong):
+        await collect(engine, "big", [1] * 5000, SamplingParams(max_tokens=5))
+    assert engine.stats().waiting == 0
+
+
+async def test_shut_down_engine_refuses_work(llama: TinySetup) -> None:
+    config = EngineConfig(model=llama.model_dir, adapter_store=llama.store_root, num_kv_blocks=64)
+    engine = AsyncEngine(config)
+    engine.shutdown()
+    with pytest.raises(EngineStopped):
+        await collect(engine, "late", [1, 2], SamplingParams(max_tokens=2))
