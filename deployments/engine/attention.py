@@ -27,28 +27,30 @@ class PrefillSpan:
     start: int  # first token of the chunk in the packed batch
     length: int  # new tokens in the chunk
     context_len: int  # tokens attended to: cached + new
-    kv_index: torch.Tensor | None  # [context_len] flat cache slots; None when nothing is cached yet
+    blocks: torch.Tensor | None  # [ceil(context_len / block_size)] block ids; None when nothing is cached yet
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [num_blocks * block_size, Hkv, D]
+    block_size: int
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     decode_token_index: torch.Tensor | None  # [Nd] where each decode token sits in the packed batch
-    decode_kv_index: torch.Tensor | None  # [Nd, Lmax] flat cache slots of each context, padded
+    decode_block_table: torch.Tensor | None  # [Nd, W] block ids of each context, padded with block 0
     decode_context_lens: torch.Tensor | None  # [Nd]
     prefills: list[PrefillSpan]
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[Nd, 1, 1, Lmax] True where a decode token may attend (its context, within the window)."""
+        """[Nd, 1, 1, W * block_size] True where a decode token may attend (its context, in the window)."""
         key = ("decode", 0, window)
         mask = self._masks.get(key)
         if mask is None:
-            assert self.decode_kv_index is not None
+            assert self.decode_block_table is not None
             assert self.decode_context_lens is not None
             lens = self.decode_context_lens[:, None]  # [Nd, 1]
-            pos = torch.arange(self.decode_kv_index.shape[1], device=lens.device)[None, :]  # [1, Lmax]
+            width = self.decode_block_table.shape[1] * self.block_size
+            pos = torch.arange(width, device=lens.device)[None, :]  # [1, W * block_size]
             mask = pos < lens
             if window is not None:
                 mask &= pos >= lens - window
@@ -93,10 +95,12 @@ def paged_attention(
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
 
     if meta.decode_token_index is not None:
-        assert meta.decode_kv_index is not None
+        assert meta.decode_block_table is not None
         q_d = q.index_select(1, meta.decode_token_index).transpose(0, 1).unsqueeze(2)  # [Nd, H, 1, D]
-        k_d = k_cache[meta.decode_kv_index].transpose(1, 2)  # [Nd, Hkv, Lmax, D]
-        v_d = v_cache[meta.decode_kv_index].transpose(1, 2)
+        k_d = _gather_blocks(k_cache, meta.decode_block_table, meta.block_size).transpose(
+            1, 2
+        )  # [Nd, Hkv, L, D]
+        v_d = _gather_blocks(v_cache, meta.decode_block_table, meta.block_size).transpose(1, 2)
         o_d = F.scaled_dot_product_attention(
             q_d, k_d, v_d, attn_mask=meta.decode_mask(sliding_window), scale=scaling, enable_gqa=True
         )  # [Nd, H, 1, D]
@@ -104,13 +108,14 @@ def paged_attention(
 
     for i, span in enumerate(meta.prefills):
         q_p = q[None, :, span.start : span.start + span.length]  # [1, H, n, D]
-        if span.kv_index is None:  # nothing cached before the chunk: attend to the new K/V directly
+        if span.blocks is None:  # nothing cached before the chunk: attend to the new K/V directly
             k_p = key[:, :, span.start : span.start + span.length]
             v_p = value[:, :, span.start : span.start + span.length]
         else:
-            k_p = k_cache[span.kv_index].transpose(0, 1)[None]  # [1, Hkv, L, D]
-            v_p = v_cache[span.kv_index].transpose(0, 1)[None]
-        if span.kv_index is None and sliding_window is None:
+            blocks = span.blocks[None]
+            k_p = _gather_blocks(k_cache, blocks, meta.block_size)[:, : span.context_len].transpose(1, 2)
+            v_p = _gather_blocks(v_cache, blocks, meta.block_size)[:, : span.context_len].transpose(1, 2)
+        if span.blocks is None and sliding_window is None:
             o_p = F.scaled_dot_product_attention(
                 q_p, k_p, v_p, is_causal=True, scale=scaling, enable_gqa=True
             )
@@ -122,6 +127,12 @@ def paged_attention(
         out[span.start : span.start + span.length] = o_p[0].transpose(0, 1)
 
     return out.unsqueeze(0), None
+
+
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, W * block_size, Hkv, D] from a block table [N, W]: whole blocks are copied, not single tokens."""
+    blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks, block_size, Hkv, D]
+    return blocks.index_select(0, table.flatten()).view(table.shape[0], -1, *cache.shape[1:])
 
 
 def register_paged_attention() -> str:

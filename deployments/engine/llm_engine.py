@@ -23,7 +23,7 @@ from deployments.engine.errors import (
     PromptTooLong,
 )
 from deployments.engine.kv_cache import KVCache
-from deployments.engine.lora_layers import probe_grouped_mm
+from deployments.engine.lora_kernels import select_kernel
 from deployments.engine.model_loader import LoadedModel, load_model
 from deployments.engine.model_runner import ModelRunner
 from deployments.engine.outputs import EngineStats, RequestOutput, RequestUsage
@@ -81,7 +81,10 @@ class LLMEngine:
             max_loras=config.max_loras,
         )
         self.runner = ModelRunner(m, self.kv_cache, max_loras=config.max_loras)
-        m.lora_context.use_grouped_mm = probe_grouped_mm(m.dtype, m.device)
+        dims = {config.max_lora_rank} | {
+            d for mod in m.lora_modules.values() for d in (mod.in_features, mod.out_features)
+        }
+        m.lora_context.kernel_name, m.lora_context.kernel = select_kernel(m.dtype, m.device, dims)
         self.sampler = Sampler(self.vocab_size, m.device, seed=config.seed)
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -90,12 +93,12 @@ class LLMEngine:
         self.steps = 0
         self.last_step_tokens = 0
         log.info(
-            "engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, grouped_mm %s",
+            "engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, LoRA kernel %s",
             num_blocks,
             config.block_size,
             self.kv_cache.nbytes / 2**20,
             self.max_model_len,
-            m.lora_context.use_grouped_mm,
+            m.lora_context.kernel_name,
         )
 
     # -- requests -------------------------------------------------------------------------------------

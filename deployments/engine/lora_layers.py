@@ -3,7 +3,7 @@
 Every wrapped linear owns slot tensors holding up to `max_loras` adapters, padded to `max_rank` with zeros
 (so padding adds nothing) and with `scaling` already folded into B. The model runner orders a step's
 tokens by slot (base-model tokens last), so each slot's tokens are one contiguous segment and the delta is a
-segmented (SGMV-like) matmul: `torch._grouped_mm` where it runs, else a loop over the segments present.
+segmented (SGMV-like) matmul; lora_kernels.py picks the implementation for the device and dtype.
 MLP linears never see forward kwargs, so all layers read the step's segments from one shared LoRAContext
 that the engine owns (no module-level global: two engines in one process stay independent).
 """
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from adapters.weights import AdapterWeights
+from deployments.engine.lora_kernels import LoRAKernel, loop_kernel
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class LoRABatch:
     num_lora_tokens: int
     offsets: torch.Tensor  # [max_loras] int32, cumulative end of each slot's segment (on the device)
     segments: list[tuple[int, int, int]]  # (slot, start, end) for the non-empty segments, host-side
+    segment_table: torch.Tensor  # [G, 3] int64 on the host: the same segments, for the C++ kernel
 
 
 class LoRAContext:
@@ -31,7 +33,8 @@ class LoRAContext:
 
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
-        self.use_grouped_mm = False
+        self.kernel_name: str = "loop"
+        self.kernel: LoRAKernel = loop_kernel
 
 
 class MultiLoRALinear(nn.Module):
@@ -74,14 +77,7 @@ class MultiLoRALinear(nn.Module):
         y2 = y.view(-1, self.out_features)  # [T, out]
         if x2.dtype != self.lora_a.dtype:  # quantized bases may compute in another dtype
             x2 = x2.to(self.lora_a.dtype)
-        if self._context.use_grouped_mm:
-            h = torch._grouped_mm(x2, self.lora_a, offs=batch.offsets)  # [n, R]
-            delta = torch._grouped_mm(h, self.lora_b, offs=batch.offsets)  # [n, out]
-            y2[:n] += delta.to(y2.dtype)
-        else:
-            for slot, start, end in batch.segments:
-                h = x2[start:end] @ self.lora_a[slot]  # [seg, R]
-                y2[start:end] += (h @ self.lora_b[slot]).to(y2.dtype)
+        self._context.kernel(y2, x2, self.lora_a, self.lora_b, batch)
         return y
 
     @torch.no_grad()
@@ -139,18 +135,3 @@ def load_adapter_into_slot(
 
 def iter_lora_modules(model: nn.Module) -> Iterator[MultiLoRALinear]:
     return (m for m in model.modules() if isinstance(m, MultiLoRALinear))
-
-
-def probe_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether torch._grouped_mm runs (and agrees with the segment loop) for this dtype and device.
-    CUDA needs sm90+ and bf16 for it; elsewhere torch may fall back or refuse."""
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(6, 16, generator=gen).to(device=device, dtype=dtype)
-        a = torch.randn(3, 16, 8, generator=gen).to(device=device, dtype=dtype)
-        offs = torch.tensor([2, 2, 6], dtype=torch.int32, device=device)  # includes an empty group
-        got = torch._grouped_mm(x, a, offs=offs)
-        want = torch.cat([x[:2] @ a[0], x[2:6] @ a[2]])
-        return bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False

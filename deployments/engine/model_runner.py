@@ -72,37 +72,32 @@ class ModelRunner:
         slot_mapping = table[seq_of_token, positions // bs] * bs + positions % bs  # [T]
 
         decode_rows = [i for i, n in enumerate(lengths) if n == 1]
-        decode_token_index = decode_kv_index = decode_context_lens = None
+        decode_token_index = decode_block_table = decode_context_lens = None
         if decode_rows:
             rows = torch.tensor(decode_rows)
-            ctx = torch.tensor(starts)[rows] + 1  # context includes the new token
-            kv_pos = torch.arange(int(ctx.max()))  # [Lmax]
-            sub = table[rows]
-            # Padding points at slot 0 (any valid slot); the mask hides it.
-            decode_kv_index = sub.gather(1, (kv_pos // bs).clamp(max=width - 1).expand(len(rows), -1)) * bs
-            decode_kv_index += kv_pos % bs
-            decode_kv_index[kv_pos[None, :] >= ctx[:, None]] = 0
+            decode_context_lens = torch.tensor(starts)[rows] + 1  # context includes the new token
+            used_blocks = -(-int(decode_context_lens.max()) // bs)
+            decode_block_table = table[rows, :used_blocks]  # padding is block 0; the mask hides it
             decode_token_index = token_start[rows]
-            decode_context_lens = ctx
 
         prefills: list[PrefillSpan] = []
         for i, n in enumerate(lengths):
             if n == 1:
                 continue
             context_len = starts[i] + n
-            kv_index = None
+            blocks = None
             if starts[i] > 0:
-                pos = torch.arange(context_len)
-                kv_index = (table[i, pos // bs] * bs + pos % bs).to(self.device)
-            prefills.append(PrefillSpan(int(token_start[i]), n, context_len, kv_index))
+                blocks = table[i, : -(-context_len // bs)].to(self.device)
+            prefills.append(PrefillSpan(int(token_start[i]), n, context_len, blocks))
 
         logits_index = [int(token_start[i]) + lengths[i] - 1 for i, s in enumerate(scheduled) if s.samples]
         dev = self.device
         attention = AttentionMetadata(
             kv_caches=self.kv_cache.layers,
+            block_size=bs,
             slot_mapping=slot_mapping.to(dev),
             decode_token_index=None if decode_token_index is None else decode_token_index.to(dev),
-            decode_kv_index=None if decode_kv_index is None else decode_kv_index.to(dev),
+            decode_block_table=None if decode_block_table is None else decode_block_table.to(dev),
             decode_context_lens=None if decode_context_lens is None else decode_context_lens.to(dev),
             prefills=prefills,
         )
@@ -136,4 +131,9 @@ class ModelRunner:
             running_end = end_of.get(slot, running_end)
             ends[slot] = running_end
         offsets = torch.tensor(ends, dtype=torch.int32, device=self.device)
-        return LoRABatch(num_lora_tokens=cursor, offsets=offsets, segments=segments)
+        return LoRABatch(
+            num_lora_tokens=cursor,
+            offsets=offsets,
+            segments=segments,
+            segment_table=torch.tensor(segments, dtype=torch.int64),
+        )

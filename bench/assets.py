@@ -1,0 +1,47 @@
+"""Benchmark assets, built once and cached: a ~150M Llama-shaped model and N rank-r adapters on all linears.
+
+Adapters are made with PEFT itself (one wrapped model, re-randomised per adapter), so they are real PEFT
+directories; building them through `build_demo_adapter` would reload the 600 MB base model 16 times.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from adapters.store import AdapterStore
+from deployments.engine.config import DEFAULT_LORA_TARGETS
+from deployments.engine.demo_model import ensure_model
+
+BENCH_DIR = Path("var/bench")
+
+
+def ensure_bench_assets(
+    *, preset: str = "bench-150m", num_adapters: int = 16, rank: int = 16, root: Path = BENCH_DIR
+) -> tuple[Path, Path, dict[str, Path]]:
+    """(model_dir, store_root, adapter name -> PEFT dir); reuses what an earlier run built."""
+    model_dir = ensure_model(root / preset, arch="llama", preset=preset)
+    adapter_root = root / f"{preset}-adapters-r{rank}"
+    names = [f"bench-{i:02d}" for i in range(num_adapters)]
+    dirs = {name: adapter_root / name for name in names}
+    missing = [n for n in names if not (dirs[n] / "adapter_model.safetensors").exists()]
+    if missing:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(DEFAULT_LORA_TARGETS))
+        model = get_peft_model(base, config)
+        for name in missing:
+            generator = torch.Generator().manual_seed(int(name.split("-")[1]))
+            with torch.no_grad():
+                for pname, param in model.named_parameters():
+                    if "lora_A" in pname or "lora_B" in pname:
+                        param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+            model.save_pretrained(dirs[name])
+    store_root = root / f"{preset}-store-r{rank}"
+    store = AdapterStore(store_root)
+    for name, path in dirs.items():
+        if not store.versions(name):
+            store.put_dir(name, path)
+    (root / "README.json").write_text(json.dumps({"note": "benchmark cache; safe to delete"}))
+    return model_dir, store_root, dirs

@@ -1,0 +1,76 @@
+"""Every multi-LoRA kernel computes the same delta as the plain per-segment reference."""
+
+import random
+
+import pytest
+import torch
+
+from deployments.engine.lora_kernels import (
+    _cpu_extension,
+    grouped_mm_kernel,
+    loop_kernel,
+    select_kernel,
+    sgmv_cpu_kernel,
+)
+from deployments.engine.lora_layers import LoRABatch
+
+
+def make_batch(lengths: dict[int, int], max_loras: int) -> LoRABatch:
+    """Segments in slot order, as the model runner builds them."""
+    segments, ends, cursor = [], [], 0
+    for slot in range(max_loras):
+        n = lengths.get(slot, 0)
+        if n:
+            segments.append((slot, cursor, cursor + n))
+            cursor += n
+        ends.append(cursor)
+    return LoRABatch(
+        num_lora_tokens=cursor,
+        offsets=torch.tensor(ends, dtype=torch.int32),
+        segments=segments,
+        segment_table=torch.tensor(segments, dtype=torch.int64).reshape(-1, 3),
+    )
+
+
+KERNELS = {"loop": loop_kernel, "grouped_mm": grouped_mm_kernel, "sgmv_cpu": sgmv_cpu_kernel}
+
+
+@pytest.mark.parametrize("name", ["grouped_mm", "sgmv_cpu"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("case", range(6))
+def test_kernel_matches_reference(name: str, dtype: torch.dtype, tol: float, case: int) -> None:
+    if name == "sgmv_cpu" and _cpu_extension() is None:
+        pytest.skip("no C++ compiler here: the engine falls back to the torch kernels")
+    rnd = random.Random(case)
+    # grouped_mm needs 16-byte strides (the engine only picks it then); sgmv_cpu takes any shape.
+    max_loras, rank = 6, rnd.choice([8, 16] if name == "grouped_mm" else [3, 8, 16])
+    in_f, out_f = rnd.choice([(64, 96), (96, 32), (128, 304)])
+    # Decode-like (1-2 tokens per slot), prefill-like (>= 32: the dense path) and mixed; some slots empty.
+    lengths = {s: rnd.choice([0, 1, 2, 3, 40]) for s in range(max_loras)}
+    lengths[rnd.randrange(max_loras)] = 1
+    batch = make_batch(lengths, max_loras)
+    gen = torch.Generator().manual_seed(case)
+    x = torch.randn(batch.num_lora_tokens, in_f, generator=gen).to(dtype)
+    a = (torch.randn(max_loras, in_f, rank, generator=gen) * 0.1).to(dtype)
+    b = (torch.randn(max_loras, rank, out_f, generator=gen) * 0.1).to(dtype)
+    base = torch.randn(batch.num_lora_tokens + 3, out_f, generator=gen).to(dtype)  # + base-model rows
+
+    want = base.float().clone()
+    loop_kernel(want, x.float(), a.float(), b.float(), batch)
+    got = base.clone()
+    KERNELS[name](got, x, a, b, batch)
+    torch.testing.assert_close(got.float(), want, atol=tol * max(1.0, float(want.abs().max())), rtol=tol)
+    torch.testing.assert_close(
+        got[batch.num_lora_tokens :], base[batch.num_lora_tokens :]
+    )  # base rows untouched
+
+
+def test_cpu_selects_the_native_kernel_when_it_builds() -> None:
+    name, _ = select_kernel(torch.bfloat16, torch.device("cpu"), {64, 128, 16})
+    assert name == ("sgmv_cpu" if _cpu_extension() is not None else "grouped_mm")
+
+
+def test_misaligned_shapes_never_get_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("deployments.engine.lora_kernels._cpu_extension", lambda: None)
+    assert select_kernel(torch.bfloat16, torch.device("cpu"), {64, 4})[0] == "loop"  # rank 4 = 8 bytes
+    assert select_kernel(torch.bfloat16, torch.device("cpu"), {64, 16})[0] == "grouped_mm"
