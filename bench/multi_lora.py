@@ -89,8 +89,11 @@ def run_hf(
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
         width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        device = model.device
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device
+        )
         longest = max(r.max_tokens for r in batch)
         kwargs = {}
         if adapter_names is not None:
@@ -129,6 +132,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--preset", default="bench-150m")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
         "--repeats", type=int, default=None, help="runs per peer, best kept (default 1 quick, 2 full)"
     )
@@ -148,6 +152,7 @@ def main() -> None:
             model=model_dir,
             adapter_store=store_root,
             dtype=args.dtype,
+            device=args.device,
             max_loras=args.adapters,
             max_lora_rank=args.rank,
             max_num_seqs=batch,
@@ -155,6 +160,7 @@ def main() -> None:
             kv_cache_memory_mb=2048,
         )
     )
+    engine_device = engine.device
     refs = [engine.adapters.store.latest(name) for name in names]
     for ref in refs:  # adapters resident in CPU memory, as on a warm replica
         future = engine.adapters.prefetch(ref)
@@ -179,7 +185,7 @@ def main() -> None:
     engine.close()
     del engine
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": engine_device}).eval()
     contiguous_lm_head(base)
     hf_base = max(run_hf(base, requests, None, batch) for _ in range(args.repeats))
     peft = PeftModel.from_pretrained(
@@ -210,6 +216,7 @@ def main() -> None:
         "batch": batch,
         "model": Path(model_dir).name,
         "threads": torch.get_num_threads(),
+        "device": str(engine_device),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
     }
     print(json.dumps(result))
