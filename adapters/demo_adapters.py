@@ -93,17 +93,22 @@ def build_demo_adapters(base_model_dir: Path, out_root: Path) -> dict[str, Path]
     """Build every adapter of DEMO_ADAPTERS into `out_root/<name>`."""
     built: dict[str, Path] = {}
     for demo in DEMO_ADAPTERS:
-        built[demo.name] = build_demo_adapter(
-            base_model_dir,
-            out_root / demo.name,
-            r=demo.r,
-            lora_alpha=demo.lora_alpha,
-            target_modules=demo.target_modules,
-            use_rslora=demo.use_rslora,
-            seed=demo.seed,
-            rank_pattern=demo.rank_pattern,
-        )
+        built[demo.name] = build_from_recipe(demo, base_model_dir, out_root / demo.name)
     return built
+
+
+def build_from_recipe(demo: DemoAdapter, base_model_dir: Path, out_dir: Path) -> Path:
+    """One DEMO_ADAPTERS entry, built into `out_dir`."""
+    return build_demo_adapter(
+        base_model_dir,
+        out_dir,
+        r=demo.r,
+        lora_alpha=demo.lora_alpha,
+        target_modules=demo.target_modules,
+        use_rslora=demo.use_rslora,
+        seed=demo.seed,
+        rank_pattern=demo.rank_pattern,
+    )
 
 
 @torch.no_grad()

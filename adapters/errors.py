@@ -1,9 +1,26 @@
 """Adapter domain errors. app/errors.py alone turns them into HTTP responses."""
 
 from collections.abc import Sequence
+from typing import Any
 
 
-class AdapterError(Exception):
+def _rebuild(cls: type[BaseException], message: str, state: dict[str, Any]) -> BaseException:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+class DomainError(Exception):
+    """Base of the platform's named errors. They cross process boundaries (Ray Serve replicas pickle the
+    exceptions they raise), and pickle rebuilds an exception by calling its class with `self.args`, which
+    breaks for any custom __init__; this rebuilds it from its message and attributes instead."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+class AdapterError(DomainError):
     """Base class for adapter errors."""
 
 

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from adapters.ref import AdapterRef
@@ -19,6 +19,7 @@ from deployments.engine.errors import DuplicateRequestId, EngineStopped
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
+from deployments.engine.request import EngineRequest
 from deployments.engine.sampling_params import SamplingParams
 from deployments.engine.sequence import Sequence
 
@@ -55,7 +56,7 @@ class AsyncEngine:
         adapter: AdapterRef | None = None,
         *,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs for one request. Bad input raises before the first yield."""
         self._check_running()
         if request_id in self._streams:
@@ -77,6 +78,15 @@ class AsyncEngine:
         finally:
             if not finished:  # the caller went away: stop generating for it
                 self._submit(lambda: self._abort(request_id))
+
+    def generate_request(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        return self.generate(
+            request.request_id,
+            request.prompt_ids,
+            request.params,
+            request.adapter,
+            cache_salt=request.cache_salt,
+        )
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))

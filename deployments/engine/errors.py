@@ -1,7 +1,9 @@
 """Engine domain errors. app/errors.py alone turns them into HTTP responses."""
 
+from adapters.errors import DomainError
 
-class EngineError(Exception):
+
+class EngineError(DomainError):
     """Base class for errors raised by the engine API."""
 
 
@@ -23,7 +25,7 @@ class PromptTooLong(InvalidRequest):
         super().__init__(
             f"prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}, but the model's context "
             f"is {max_model_len} tokens",
-            param="messages",
+            param="prompt",
         )
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len

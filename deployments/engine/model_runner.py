@@ -104,7 +104,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(ids, device=dev)[None],
             positions=positions.to(dev)[None],
-            logits_index=torch.tensor(logits_index, device=dev),
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),  # may be empty
             attention=attention,
             lora=self._lora_batch(scheduled, lengths),
         )

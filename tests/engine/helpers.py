@@ -7,7 +7,7 @@ from typing import Any
 from deployments.engine.config import EngineConfig
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.outputs import RequestOutput
-from tests.engine.conftest import TinySetup
+from tests.model_fixtures import TinySetup
 
 
 def make_engine(setup: TinySetup, **overrides: Any) -> LLMEngine:

@@ -10,8 +10,8 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped, PromptTooLong
 from deployments.engine.sampling_params import SamplingParams
 from deployments.engine.sequence import FinishReason
-from tests.engine.conftest import TinySetup
 from tests.engine.helpers import drain, make_engine, text, tokens
+from tests.model_fixtures import TinySetup
 
 
 @pytest.fixture

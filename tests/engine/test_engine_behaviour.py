@@ -8,9 +8,9 @@ from adapters.errors import AdapterNotFound
 from adapters.store import AdapterStore
 from deployments.engine.sampling_params import SamplingParams
 from deployments.engine.sequence import FinishReason
-from tests.engine.conftest import TinySetup
 from tests.engine.helpers import copy_adapter, drain, make_engine, preload, text, tokens
 from tests.engine.reference import PeftReference
+from tests.model_fixtures import TinySetup
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -30,6 +30,16 @@ def test_long_prompt_is_chunked_and_never_freezes_running_decodes(llama: TinySet
     assert steps_while_prefilling >= 4  # the prompt really was split
     assert steps_with_short_token == steps_while_prefilling  # a token every step: never frozen
     drain(engine)
+    engine.close()
+
+
+def test_a_lone_long_prompt_is_prefilled_over_several_steps(llama: TinySetup) -> None:
+    """Steps that only advance a prefill chunk sample nothing; they must still run."""
+    engine = make_engine(llama, max_num_batched_tokens=32)
+    engine.add_request("alone", list(range(10, 110)), GREEDY)
+    outputs = drain(engine)["alone"]
+    assert engine.steps >= 4 + 11  # four chunks, then decodes
+    assert len(tokens(outputs)) == 12
     engine.close()
 
 

@@ -17,8 +17,8 @@ from deployments.engine.errors import (
 )
 from deployments.engine.sampling_params import SamplingParams
 from deployments.engine.sequence import FinishReason
-from tests.engine.conftest import TinySetup
 from tests.engine.helpers import drain, make_engine, tokens
+from tests.model_fixtures import TinySetup
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

@@ -19,9 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 from adapters.ref import AdapterRef
 from deployments.engine.awq_export import export_awq, load_dequantized_state_dict
 from deployments.engine.sampling_params import SamplingParams
-from tests.engine.conftest import TinySetup
 from tests.engine.helpers import drain, make_engine, preload, tokens
 from tests.engine.reference import PeftReference
+from tests.model_fixtures import TinySetup
 
 BF16_LOGIT_TOL = 0.1  # logits here are O(3); bf16 keeps ~3 significant digits
 AWQ_REL_TOL = 0.03

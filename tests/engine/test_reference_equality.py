@@ -13,8 +13,8 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.sampling_params import SamplingParams
-from tests.engine.conftest import TinySetup
 from tests.engine.reference import PeftReference
+from tests.model_fixtures import TinySetup
 
 
 @dataclass(frozen=True)

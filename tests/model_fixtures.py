@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random-init models of three architectures, with the demo adapters in a store."""
+"""Model fixtures (a pytest plugin): tiny random-init models of three architectures, with demo adapters."""
 
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,0 +1,101 @@
+"""`loraplex up` and `loraplex status`: run the platform on its embedded defaults, and ask Serve how it is.
+
+`up` migrates the database, builds the demo model and adapters when missing, mints a demo tenant key
+(printed once), then replaces itself with `serve run <config>`. Ray 2.60 turns token auth on for new local
+clusters; we say so explicitly (RAY_AUTH_MODE=token) so that `serve status` finds the token too.
+"""
+
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+
+from app.cli_http import fail
+from app.settings import Settings
+
+
+def _admin_key(settings: Settings) -> tuple[str, bool]:
+    """The configured admin key, or one generated once and kept in data_dir (0600). (key, generated now)"""
+    configured = settings.admin_key.get_secret_value()
+    if configured:
+        return configured, False
+    path = settings.data_dir / "admin_key"
+    if path.exists():
+        return path.read_text().strip(), False
+    key = f"lp-admin-{secrets.token_urlsafe(24)}"
+    path.write_text(key)
+    path.chmod(0o600)
+    return key, True
+
+
+def _effective_config(settings: Settings, config: Path, port: int | None) -> Path:
+    if port is None:
+        return config
+    data = yaml.safe_load(config.read_text())
+    data.setdefault("http_options", {})["port"] = port
+    out = settings.data_dir / "serve_config.effective.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def up(
+    config: Annotated[Path, typer.Option("--config", help="Ray Serve config to run.")] = Path(
+        "serve_config.yaml"
+    ),
+    port: Annotated[int | None, typer.Option("--port", help="HTTP port (overrides the config's).")] = None,
+    prepare_only: Annotated[
+        bool, typer.Option("--prepare-only", help="Set up, print the key, don't serve.")
+    ] = False,
+) -> None:
+    """Set up the embedded defaults and run the platform (`serve run serve_config.yaml`)."""
+    from app.demo import prepare  # heavy imports (torch, transformers) only for this command
+
+    if not config.exists():
+        fail(f"{config} not found", code=2, hint="run from the repository root or pass --config")
+    settings = Settings()
+    typer.echo("preparing: database migrations, demo model and adapters (first run builds them)...")
+    try:
+        demo = prepare(settings, config)
+    except FileNotFoundError as error:
+        fail(str(error), code=2)
+    admin_key, generated = _admin_key(settings)
+    http = yaml.safe_load(config.read_text()).get("http_options", {})
+    url = f"http://{http.get('host', '127.0.0.1')}:{port or http.get('port', 8000)}"
+    typer.echo(f"models: {', '.join(demo.models)}; demo adapters: {', '.join(demo.adapters) or 'none'}")
+    typer.echo(f"demo tenant {demo.tenant_id} key (shown once, store it now):")
+    print(f"LORAPLEX_DEMO_KEY={demo.api_key}", flush=True)
+    if generated:
+        typer.echo(f"admin key generated and saved in {settings.data_dir / 'admin_key'}")
+    typer.echo(
+        f'try: curl {url}/v1/chat/completions -H "authorization: Bearer $LORAPLEX_DEMO_KEY" '
+        f'-H \'content-type: application/json\' -d \'{{"model": "{next(iter(demo.models))}", '
+        '"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}\''
+    )
+    if prepare_only:
+        return
+    serve = shutil.which("serve", path=str(Path(sys.executable).parent)) or shutil.which("serve")
+    if serve is None:
+        fail("the Ray Serve CLI (`serve`) is not installed", code=2)
+    env = {
+        **os.environ,
+        "LORAPLEX_ADMIN_KEY": admin_key,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+    }
+    effective = _effective_config(settings, config, port)
+    typer.echo(f"starting: serve run {effective} (Ctrl-C or SIGTERM stops it)")
+    sys.stdout.flush()
+    os.execve(serve, [serve, "run", str(effective)], env)
+
+
+def status() -> None:
+    """`serve status` for the local cluster (with the token auth that `up` enabled)."""
+    serve = shutil.which("serve", path=str(Path(sys.executable).parent)) or shutil.which("serve")
+    if serve is None:
+        fail("the Ray Serve CLI (`serve`) is not installed", code=2)
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    os.execve(serve, [serve, "status"], env)

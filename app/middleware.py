@@ -1,0 +1,67 @@
+"""RequestContextMiddleware: every response, errors and streams included, carries `x-request-id`.
+
+The request id that reaches the engine and billing is always ours (`req_...`): a caller-chosen id could
+collide with another tenant's running request, or be replayed to dodge a usage row keyed by it. A valid
+`x-request-id` from the caller is kept only as the trace id we echo back.
+
+A pure ASGI middleware (BaseHTTPMiddleware buffers and breaks streaming). It also turns any exception
+that escaped the routes into the OpenAI 500 shape, because Starlette's own last-resort handler sits
+outside the middleware stack and would drop the header.
+"""
+
+import logging
+import re
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import to_api_error
+
+log = logging.getLogger(__name__)
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: ASGIApp, *, emit_header: bool = True) -> None:
+        self.app = app
+        # Behind Ray Serve the proxy already adopts the client's id (or makes one), passes it in the
+        # request headers and stamps the response: here we only read it, else the header doubles.
+        self.emit_header = emit_header
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = new_request_id()
+        trace_id = incoming if _VALID_ID.match(incoming) else request_id
+        scope.setdefault("state", {}).update(request_id=request_id, trace_id=trace_id)
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            if message["type"] == "http.response.start" and self.emit_header:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", trace_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as error:
+            if started:  # mid-stream: the body already began; nothing left to do but log
+                log.exception("error after the response started (request %s)", request_id)
+                return
+            response = to_api_error(error).response()
+            await response(scope, receive, send_with_id)
+
+
+def request_id_of(scope_state: dict[str, Any]) -> str:
+    return str(scope_state.get("request_id") or new_request_id())

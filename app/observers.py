@@ -1,0 +1,33 @@
+"""RequestRecord and RequestObserver: what the ingress reports when a request ends, and who listens.
+
+Every request that reached an engine ends in exactly one record (completed, aborted by the client, or
+failed), which metering turns into a usage event.
+"""
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal, Protocol
+
+from deployments.engine.outputs import RequestUsage
+
+RequestStatus = Literal["completed", "aborted", "failed"]
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str  # as the client named it
+    base_model: str
+    adapter: str | None  # "adapter_id@vN", None for the base model
+    status: RequestStatus
+    finish_reason: str | None
+    usage: RequestUsage | None  # what the engine measured; None if it never answered
+    started_at: datetime
+    latency_ms: float
+    stream: bool
+
+
+class RequestObserver(Protocol):
+    async def on_finish(self, record: RequestRecord) -> None: ...

@@ -1,0 +1,39 @@
+"""Route classes that authenticate before FastAPI reads the request body.
+
+FastAPI parses the body before it solves dependencies, so with auth as a plain dependency a caller
+without credentials would be told about malformed JSON or schema problems (400) instead of getting 401.
+These routes check credentials first and leave the result on `request.state` for the dependencies.
+"""
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+from app.admin_auth import check_admin_key
+
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+class TenantRoute(APIRoute):
+    def get_route_handler(self) -> Handler:
+        handler = super().get_route_handler()
+
+        async def authenticated(request: Request) -> Response:
+            authenticator = request.app.state.services.authenticator
+            request.state.principal = await authenticator.authenticate(request.headers.get("authorization"))
+            return await handler(request)
+
+        return authenticated
+
+
+class AdminRoute(APIRoute):
+    def get_route_handler(self) -> Handler:
+        handler = super().get_route_handler()
+
+        async def authorised(request: Request) -> Response:
+            check_admin_key(request.app.state.services.settings, request.headers.get("authorization"))
+            return await handler(request)
+
+        return authorised

@@ -1,0 +1,54 @@
+"""Services: everything a route needs, built once per ingress replica and held on app.state."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy.orm import Session
+
+from adapters.ref import AdapterRef
+from app.authenticator import Authenticator, Principal
+from app.catalog import BaseModelEntry, ModelCatalog
+from app.engine_client import EngineClient
+from app.errors import ModelNotFound
+from app.observers import RequestObserver
+from app.schemas.openai import ModelCard
+from app.settings import Settings
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` resolved to."""
+
+    name: str
+    base: BaseModelEntry
+    adapter: AdapterRef | None
+
+
+# (principal, requested name) -> (base model name, adapter ref), or None if the tenant has no such adapter.
+AdapterResolver = Callable[[Principal, str], tuple[str, AdapterRef] | None]
+
+
+@dataclass
+class Services:
+    settings: Settings
+    key_secret: bytes  # keys' HMAC secret, resolved once
+    session_factory: Callable[[], Session]
+    authenticator: Authenticator
+    catalog: ModelCatalog
+    engine: EngineClient
+    resolve_adapter: AdapterResolver = lambda _principal, _name: None
+    list_adapters: Callable[[Principal], list[ModelCard]] = lambda _principal: []
+    observers: list[RequestObserver] = field(default_factory=list)
+
+    def resolve(self, principal: Principal, model: str) -> Target:
+        base = self.catalog.get(model)
+        if base is not None:
+            return Target(model, base, None)
+        found = self.resolve_adapter(principal, model)
+        if found is None:
+            raise ModelNotFound(model)
+        base_name, ref = found
+        entry = self.catalog.get(base_name)
+        if entry is None:  # registered for a base model this deployment does not serve
+            raise ModelNotFound(model)
+        return Target(model, entry, ref)

@@ -1,0 +1,58 @@
+"""Settings: the ingress process's configuration, from LORAPLEX_* environment variables.
+
+Built by the caller (a deployment's constructor, the CLI), never at import time.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore")
+
+    data_dir: Path = Field(default=Path("var"), description="Where the embedded defaults keep their files.")
+    database_url: str = Field(
+        default="",
+        description="SQLAlchemy URL of the billing database; empty: a SQLite file in data_dir.",
+    )
+    admin_key: SecretStr = Field(
+        default=SecretStr(""), description="Bearer token for /admin; empty disables the admin API."
+    )
+    key_secret: SecretStr = Field(
+        default=SecretStr(""),
+        description="Server secret that API-key hashes are keyed with; empty: a file in data_dir, made once.",
+    )
+    auth_cache_ttl_s: float = Field(
+        default=2.0, ge=0, description="How long a key lookup is cached; revocations apply within this."
+    )
+    adapter_store: Path | None = Field(
+        default=None, description="Adapter store root; default data_dir/adapters."
+    )
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
+
+    def resolved_adapter_store(self) -> Path:
+        return self.adapter_store or self.data_dir / "adapters"
+
+    def resolved_key_secret(self) -> bytes:
+        """The configured secret, or one generated once per data_dir (0600) so restarts keep keys valid."""
+        if self.key_secret.get_secret_value():
+            return self.key_secret.get_secret_value().encode()
+        path = self.data_dir / "key_secret"
+        if not path.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.data_dir / f".key_secret.{secrets.token_hex(4)}"
+            tmp.write_text(secrets.token_urlsafe(32))
+            tmp.chmod(0o600)
+            try:  # link is atomic and fails if another process won the race: everyone reads one secret
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return path.read_text().strip().encode()

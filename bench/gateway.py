@@ -1,0 +1,156 @@
+"""Ingress overhead: the full HTTP app (auth, validation, chat templating/tokenisation, resolution,
+response shaping) over calling the engine deployment's handle directly, on the same requests in the
+same run, with an engine that answers at once.
+
+Both paths run in this process against the same Ray Serve handle, so the difference is what the ingress
+adds; the Serve HTTP proxy hop (present in any Serve app) is not counted.
+Run: python -m bench.gateway [--requests 300]; the last line is one JSON object.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import ray
+from ray import serve
+
+from app.auth import generate_key
+from app.bootstrap import build_services
+from app.main import create_app
+from app.settings import Settings
+from billing import repository
+from billing.db import make_engine, make_session_factory, session_scope
+from billing.migrate import upgrade
+from deployments.engine.demo_model import ensure_model
+from deployments.engine.outputs import RequestOutput, RequestUsage
+from deployments.engine.request import EngineRequest
+from deployments.engine.sampling_params import SamplingParams
+from deployments.engine.sequence import FinishReason
+from deployments.serve_engine_client import ServeEngineClient
+
+
+async def instant_outputs(request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    """One finished output, at once: the engine costs nothing, so what remains is the caller's."""
+    usage = RequestUsage(len(request.prompt_ids), 0, 1, 0.0, 0.0, 0.0, 0.0, 0)
+    yield RequestOutput(request.request_id, "ok", [1], True, FinishReason.LENGTH, None, usage)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+class InstantEngine:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        async for output in instant_outputs(request):
+            yield output
+
+
+class LocalInstantClient:
+    def generate(self, base_model: str, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        return instant_outputs(request)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1]
+
+
+async def measure(requests: int) -> dict[str, float]:
+    work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    model_dir = ensure_model(Path("var/bench/tiny-llama"), arch="llama", preset="tiny")
+    url = f"sqlite:///{work / 'db.sqlite'}"
+    upgrade(url)
+    settings = Settings(data_dir=work, database_url=url, admin_key="x")  # type: ignore[arg-type]
+    handle = serve.run(InstantEngine.bind(), name="gateway-bench", route_prefix=None)
+    client = ServeEngineClient({"bench": handle})
+    services = build_services(settings, client, {"bench": (model_dir, None)})
+    key = generate_key(services.key_secret)
+    with session_scope(make_session_factory(make_engine(url))) as session:
+        tenant = repository.create_tenant(session, name="bench")
+        repository.create_api_key(session, tenant_id=tenant.id, prefix=key.prefix, key_hash=key.hash)
+    app = create_app(services)
+    body = {"model": "bench", "messages": [{"role": "user", "content": "hello " * 60}], "max_tokens": 16}
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench")
+    headers = {"authorization": f"Bearer {key.plaintext}"}
+    ids = [1] * 70
+
+    async def via_ingress() -> float:
+        start = time.perf_counter()
+        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        return (time.perf_counter() - start) * 1e3
+
+    async def direct() -> float:
+        start = time.perf_counter()
+        request = EngineRequest(f"d{time.monotonic_ns()}", ids, SamplingParams(max_tokens=16))
+        async for _ in client.generate("bench", request):
+            pass
+        return (time.perf_counter() - start) * 1e3
+
+    # The same app over an in-process engine stub: no Ray round trip (~5 ms, noisy) to drown the ingress.
+    local_services = build_services(settings, LocalInstantClient(), {"bench": (model_dir, None)})  # type: ignore[arg-type]
+    local_http = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(local_services)), base_url="http://b"
+    )
+
+    async def via_local_ingress() -> float:
+        start = time.perf_counter()
+        response = await local_http.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        return (time.perf_counter() - start) * 1e3
+
+    async def local_direct() -> float:
+        start = time.perf_counter()
+        async for _ in instant_outputs(EngineRequest("x", ids, SamplingParams(max_tokens=16))):
+            pass
+        return (time.perf_counter() - start) * 1e3
+
+    for _ in range(20):  # warm: connections, caches, first-call paths
+        await via_ingress()
+        await direct()
+        await via_local_ingress()
+    ingress_ms, direct_ms, local_ms, local_direct_ms = [], [], [], []
+    for _ in range(requests):  # interleaved, so drift affects all alike
+        ingress_ms.append(await via_ingress())
+        direct_ms.append(await direct())
+        local_ms.append(await via_local_ingress())
+        local_direct_ms.append(await local_direct())
+    await http.aclose()
+    await local_http.aclose()
+    result = {
+        "requests": requests,
+        "ingress_p50_ms": round(statistics.median(ingress_ms), 3),
+        "ingress_p95_ms": round(percentile(ingress_ms, 95), 3),
+        "direct_p50_ms": round(statistics.median(direct_ms), 3),
+        "direct_p95_ms": round(percentile(direct_ms, 95), 3),
+    }
+    result["serve_overhead_p50_ms"] = round(result["ingress_p50_ms"] - result["direct_p50_ms"], 3)
+    result["serve_overhead_p95_ms"] = round(result["ingress_p95_ms"] - result["direct_p95_ms"], 3)
+    result["ratio_p50"] = round(result["ingress_p50_ms"] / result["direct_p50_ms"], 2)
+    # The headline: the ingress's own work per request, measured without the Ray hop.
+    result["overhead_p50_ms"] = round(statistics.median(local_ms) - statistics.median(local_direct_ms), 3)
+    result["overhead_p95_ms"] = round(percentile(local_ms, 95) - percentile(local_direct_ms, 95), 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=300)
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False)
+    try:
+        result = asyncio.run(measure(args.requests))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

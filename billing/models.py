@@ -1,0 +1,101 @@
+"""Billing tables as SQLAlchemy 2 models: tiers, tenants and their API keys.
+
+Migrations are written by hand in migrations/versions/; tests/billing/test_migrations.py compares the two
+with Alembic's autogenerate so they cannot drift.
+"""
+
+import secrets
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from sqlalchemy import CheckConstraint, DateTime, Dialect, ForeignKey, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# Deterministic constraint names: Alembic can then drop or alter them by name on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"  # lowercase base32
+
+
+def new_id(kind: str) -> str:
+    """`<kind>_` and 20 base32 characters (100 random bits)."""
+    return f"{kind}_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware datetimes in, aware UTC datetimes out, stored as UTC.
+
+    Naive values are refused rather than guessed at. SQLite keeps no offset, so UTC is attached on read.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value.isoformat()} given; use an aware (UTC) datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class TenantStatus(StrEnum):
+    ACTIVE = "active"
+    DISABLED = "disabled"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tier(Base):
+    __tablename__ = "tiers"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    __table_args__ = (
+        CheckConstraint("status IN ('active', 'disabled')", name="status"),  # TenantStatus
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ten"))
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    tier: Mapped[str] = mapped_column(String(64), ForeignKey("tiers.name", onupdate="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16), default=TenantStatus.ACTIVE.value)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("key"))
+    tenant_id: Mapped[str] = mapped_column(String(32), ForeignKey("tenants.id"), index=True)
+    name: Mapped[str | None] = mapped_column(String(128))
+    prefix: Mapped[str] = mapped_column(String(12), unique=True, index=True)  # app.auth's public prefix
+    key_hash: Mapped[str] = mapped_column(String(64))  # HMAC-SHA256 hex; the key itself is never stored
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

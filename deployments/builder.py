@@ -1,0 +1,86 @@
+"""build_app: the Ray Serve application graph, from the `args` of serve_config.yaml.
+
+One engine deployment per base model (each with its own engine settings and replicas), one ingress
+deployment holding a handle to each.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray import serve
+from ray.serve import Application
+
+from app.settings import Settings
+from deployments.engine.config import EngineConfig
+from deployments.engine_replica import EngineReplica
+from deployments.ingress import Ingress
+
+
+class ModelDeployment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The base model's public name (the `model` field clients send).")
+    engine: dict[str, Any] = Field(description="EngineConfig fields for this model's engine.")
+    num_replicas: int = Field(default=1, ge=1, description="Engine replicas for this model.")
+    max_ongoing_requests: int = Field(default=256, ge=1, description="Streams one replica accepts at once.")
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelDeployment] = Field(min_length=1, description="Base models, each its own deployment.")
+    ingress_replicas: int = Field(default=1, ge=1, description="Ingress (HTTP) replicas.")
+    ingress_max_ongoing_requests: int = Field(default=1024, ge=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "AppArgs":
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return self
+
+
+def _engine_config(model: ModelDeployment, settings: Settings) -> EngineConfig:
+    """Validated now (a bad config fails `serve run` at once), with paths made absolute for workers."""
+    fields = {
+        "adapter_store": settings.resolved_adapter_store(),
+        **model.engine,
+        "served_model_name": model.name,
+    }
+    config = EngineConfig(**fields)
+    return config.model_copy(
+        update={"model": Path(config.model).resolve(), "adapter_store": Path(config.adapter_store).resolve()}
+    )
+
+
+def _wants_gpu(config: EngineConfig) -> bool:
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    parsed = AppArgs(**args)
+    settings = Settings()
+    handles = {}
+    models = {}
+    for model in parsed.models:
+        config = _engine_config(model, settings)
+        deployment = serve.deployment(
+            name=f"engine-{model.name}",
+            num_replicas=model.num_replicas,
+            max_ongoing_requests=model.max_ongoing_requests,
+            # CPU engines take no Ray CPU: on small machines the ingress and engines must share cores.
+            ray_actor_options={"num_cpus": 0, "num_gpus": 1 if _wants_gpu(config) else 0},
+            health_check_period_s=10,
+        )(EngineReplica)
+        handles[model.name] = deployment.bind(config.model_dump(mode="json"))
+        models[model.name] = {"model": str(config.model), "max_model_len": config.max_model_len}
+    ingress = serve.deployment(
+        name="ingress",
+        num_replicas=parsed.ingress_replicas,
+        max_ongoing_requests=parsed.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )(Ingress)
+    app: Application = ingress.bind(handles, models)
+    return app

@@ -1,0 +1,41 @@
+"""EngineReplica: the Ray Serve deployment that hosts one base model's engine.
+
+Streams RequestOutput for each EngineRequest. When the caller closes the stream (its client went away),
+Serve cancels this generator and AsyncEngine.generate aborts the request, freeing KV blocks and slot.
+"""
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deployments.engine.async_engine import AsyncEngine
+from deployments.engine.config import EngineConfig
+from deployments.engine.errors import EngineStopped
+from deployments.engine.outputs import EngineStats, RequestOutput
+from deployments.engine.request import EngineRequest
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    def __init__(self, engine_config: dict[str, Any]) -> None:
+        self.config = EngineConfig(**engine_config)
+        self.engine = AsyncEngine(self.config)
+        log.info("engine replica for %s ready", self.config.name)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        async for output in self.engine.generate_request(request):
+            yield output
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_health(self) -> None:
+        """Serve restarts the replica if the engine loop has died."""
+        if self.engine._error is not None:
+            raise EngineStopped(f"engine loop died: {self.engine._error}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,28 @@
+"""Ingress: the FastAPI app from app/ as a Ray Serve deployment, with handles to every engine.
+
+Settings and services are built in the replica's constructor (never at import), and the ASGI app is
+created late through `__serve_build_asgi_app__`.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.bootstrap import build_services
+from app.main import create_app
+from app.settings import Settings
+from deployments.serve_engine_client import ServeEngineClient
+
+
+@serve.ingress()
+class Ingress:
+    def __init__(self, engines: dict[str, DeploymentHandle[Any]], models: dict[str, dict[str, Any]]) -> None:
+        self.settings = Settings()
+        catalog = {name: (Path(spec["model"]), spec.get("max_model_len")) for name, spec in models.items()}
+        self.services = build_services(self.settings, ServeEngineClient(engines), catalog)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self.services, behind_serve_proxy=True)

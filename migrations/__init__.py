@@ -1,0 +1,1 @@
+"""Alembic migrations for the billing database; billing.migrate runs them without an alembic.ini."""

@@ -1,0 +1,77 @@
+"""Alembic environment: the billing models' metadata, SQLite and PostgreSQL, online and offline."""
+
+import os
+
+from alembic import context
+from sqlalchemy import Connection
+
+from billing.db import make_engine, normalize_url
+from billing.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def database_url() -> str:
+    """From billing.migrate (config.attributes), else `alembic -x url=...`, else LORAPLEX_DATABASE_URL."""
+    url = config.attributes.get("url") or context.get_x_argument(as_dictionary=True).get("url")
+    url = url or os.environ.get("LORAPLEX_DATABASE_URL")
+    if not url:
+        raise RuntimeError("no database URL: pass -x url=... or set LORAPLEX_DATABASE_URL")
+    return str(url)
+
+
+def run_migrations_offline() -> None:
+    context.configure(
+        url=normalize_url(database_url()),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        dialect_opts={"paramstyle": "named"},
+        render_as_batch=True,
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = make_engine(database_url())
+    try:
+        with engine.connect() as connection:
+            if connection.dialect.name == "sqlite":
+                _run_sqlite(connection)
+            else:
+                _run(connection)
+    finally:
+        engine.dispose()
+
+
+def _run(connection: Connection) -> None:
+    context.configure(
+        connection=connection, target_metadata=target_metadata, render_as_batch=True, compare_type=True
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def _run_sqlite(connection: Connection) -> None:
+    # A batch migration copies a table and drops the original; with foreign keys on, that DROP deletes
+    # (or fails on) every row that references it. So: off for the migration (the pragma is ignored inside
+    # a transaction, hence before it), then check that nothing dangles, then back on.
+    connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    connection.commit()
+    try:
+        _run(connection)
+        dangling = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+        connection.commit()
+        if dangling:
+            raise RuntimeError(f"migration left rows with dangling foreign keys: {dangling}")
+    finally:
+        connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+        connection.commit()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,115 @@
+"""The HTTP app served for real (uvicorn on a loopback port) over an in-process engine and SQLite.
+
+No Ray here: these tests pin down the HTTP behaviour; tests/e2e runs the same app on Ray Serve.
+"""
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from app.bootstrap import build_services
+from app.engine_client import LocalEngineClient
+from app.main import create_app
+from app.services import Services
+from app.settings import Settings
+from billing.migrate import upgrade
+from deployments.engine.async_engine import AsyncEngine
+from deployments.engine.config import EngineConfig
+from tests.model_fixtures import TinySetup
+
+ADMIN_KEY = "admin-test-key"
+MODEL = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """uvicorn in a thread; stopped cleanly."""
+
+    def __init__(self, app: object) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class Served:
+    url: str
+    engine: AsyncEngine
+    services: Services
+    setup: TinySetup
+    data_dir: Path
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+
+    def new_tenant(self, name: str, tier: str = "free") -> tuple[str, str]:
+        """(tenant id, API key) through the admin API."""
+        with self.admin() as admin:
+            tenant = admin.post("/admin/tenants", json={"name": name, "tier": tier}).json()
+            key = admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "test"}).json()
+        return tenant["id"], key["key"]
+
+
+@pytest.fixture(scope="module")
+def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    data_dir = tmp_path_factory.mktemp("app")
+    url = f"sqlite:///{data_dir / 'loraplex.db'}"
+    upgrade(url)
+    settings = Settings(
+        data_dir=data_dir,
+        database_url=url,
+        admin_key=ADMIN_KEY,  # type: ignore[arg-type]
+        auth_cache_ttl_s=0.2,
+        adapter_store=llama.store_root,
+    )
+    engine = AsyncEngine(
+        EngineConfig(
+            model=llama.model_dir,
+            served_model_name=MODEL,
+            adapter_store=llama.store_root,
+            num_kv_blocks=256,
+            block_size=4,
+            max_num_seqs=16,
+            max_num_batched_tokens=128,
+        )
+    )
+    services = build_services(settings, LocalEngineClient({MODEL: engine}), {MODEL: (llama.model_dir, None)})
+    with LiveServer(create_app(services)) as server:
+        yield Served(server.url, engine, services, llama, data_dir)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tenant(served: Served) -> tuple[str, str]:
+    return served.new_tenant("acme")

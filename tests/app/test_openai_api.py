@@ -1,0 +1,131 @@
+"""The official OpenAI SDK against our API: text equals the engine's, streaming, usage, disconnects."""
+
+import json
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from app.schemas.openai import ChatMessage
+from deployments.engine.config import EngineConfig
+from deployments.engine.llm_engine import LLMEngine
+from deployments.engine.sampling_params import SamplingParams
+from tests.app.conftest import MODEL, Served
+from tests.engine.helpers import drain, text
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours."},
+]
+
+
+@pytest.fixture(scope="module")
+def client(served: Served, tenant: tuple[str, str]) -> OpenAI:
+    return OpenAI(base_url=f"{served.url}/v1", api_key=tenant[1], max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(served: Served) -> LLMEngine:
+    """A separate engine over the same model: what the platform must reproduce."""
+    setup = served.setup
+    engine = LLMEngine(EngineConfig(model=setup.model_dir, adapter_store=setup.store_root, num_kv_blocks=128))
+    yield engine
+    engine.close()
+
+
+def engine_text(reference: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> str:
+    reference.add_request(f"ref-{time.monotonic_ns()}", prompt_ids, params)
+    return text(next(iter(drain(reference).values())))
+
+
+def test_chat_text_equals_engine_output_for_the_same_seed(served: Served, client: OpenAI, reference) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.8, top_p=0.95, seed=7
+    )
+    prompt_ids = served.services.catalog.get(MODEL).prompts.chat([ChatMessage(**m) for m in MESSAGES])
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7)
+    assert reply.choices[0].message.content == engine_text(reference, prompt_ids, params)
+    assert reply.model == MODEL
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_chat_equals_the_non_streamed_one_and_ends_with_usage(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_completions_stream_and_not(served: Served, client: OpenAI, reference) -> None:
+    whole = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=12, temperature=0)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="The sea is", max_tokens=12, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == whole.choices[0].text
+    ids = served.services.catalog.get(MODEL).prompts.completion("The sea is")
+    assert whole.choices[0].text == engine_text(reference, ids, SamplingParams(max_tokens=12, temperature=0))
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == whole.choices[0].text
+
+
+def test_stop_sequence_cuts_the_text_before_it(client: OpenAI) -> None:
+    free = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, temperature=0).choices[0].text
+    stop = free[10:13]
+    cut = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[: free.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_cached_tokens_are_reported_and_never_shared_across_tenants(served: Served, client: OpenAI) -> None:
+    long_prompt = " ".join(f"word{i}" for i in range(60))
+    first = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    _, other_key = served.new_tenant("other-tenant-cache")
+    other = OpenAI(base_url=f"{served.url}/v1", api_key=other_key, max_retries=0)
+    theirs = other.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    assert theirs.usage.prompt_tokens_details.cached_tokens == 0  # no cross-tenant prefix reuse
+
+
+def test_client_disconnect_mid_stream_aborts_the_generation(served: Served, tenant: tuple[str, str]) -> None:
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 900, "temperature": 0, "stream": True}
+    headers = {"authorization": f"Bearer {tenant[1]}"}
+    with httpx.stream(
+        "POST", f"{served.url}/v1/completions", json=body, headers=headers, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["x-request-id"]
+        events = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                json.loads(line[6:])
+                events += 1
+            if events == 3:
+                break  # leave: the connection closes with the generation still going
+    deadline = time.monotonic() + 10
+    while served.engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = served.engine.stats()
+    assert stats.running == 0 and stats.waiting == 0
+    assert stats.kv_usage == 0.0
+
+
+def test_models_lists_the_base_model(client: OpenAI) -> None:
+    models = client.models.list()
+    assert MODEL in [m.id for m in models.data]

@@ -1,0 +1,64 @@
+"""The README's run command, as a new user runs it: fresh directory, fresh database, demo assets built,
+a demo key printed once and working against `serve run serve_config.yaml`; stopped with SIGTERM."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.app.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_loraplex_up_serves_with_the_printed_key(tmp_path: Path) -> None:
+    shutil.copy(ROOT / "serve_config.yaml", tmp_path / "serve_config.yaml")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    # This test session already runs a Ray cluster; a new user's `serve run` starts its own.
+    env["RAY_ADDRESS"] = "local"
+    loraplex = Path(sys.executable).parent / "loraplex"
+    log = (tmp_path / "up.log").open("w")
+    process = subprocess.Popen([str(loraplex), "up", "--port", str(port)], cwd=tmp_path, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert process.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("the platform did not come up:\n" + (tmp_path / "up.log").read_text()[-3000:])
+        output = (tmp_path / "up.log").read_text()
+        key = re.search(r"LORAPLEX_DEMO_KEY=(\S+)", output).group(1)
+        client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        assert "demo-llama" in [m.id for m in client.models.list().data]
+        reply = client.chat.completions.create(
+            model="demo-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        assert reply.usage.completion_tokens >= 1
+        assert (tmp_path / "var" / "loraplex.db").exists()  # the embedded defaults, in the new directory
+        assert (tmp_path / "var" / "models" / "demo-llama" / "config.json").exists()
+        bad = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer sk-lp-nope"})
+        assert bad.status_code == 401
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
