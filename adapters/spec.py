@@ -111,7 +111,9 @@ class AdapterSpec(BaseModel):
     )
     r: int = Field(gt=0, strict=True, description="Default LoRA rank.")
     lora_alpha: float = Field(
-        strict=True, description="Default LoRA alpha; scaling is alpha/r, or alpha/sqrt(r) with rsLoRA."
+        strict=True,
+        allow_inf_nan=False,
+        description="Default LoRA alpha; scaling is alpha/r, or alpha/sqrt(r) with rsLoRA.",
     )
     use_rslora: bool = Field(
         default=False, strict=True, description="Rank-stabilised LoRA: scaling alpha/sqrt(r)."
@@ -135,7 +137,7 @@ class AdapterSpec(BaseModel):
     rank_pattern: dict[str, Annotated[int, Field(gt=0, strict=True)]] = Field(
         default_factory=dict, description="Per-module rank overrides; keys are PEFT pattern keys."
     )
-    alpha_pattern: dict[str, Annotated[float, Field(strict=True)]] = Field(
+    alpha_pattern: dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False)]] = Field(
         default_factory=dict, description="Per-module alpha overrides; keys are PEFT pattern keys."
     )
 
@@ -212,11 +214,36 @@ def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise AdapterInvalid([f"missing {CONFIG_FILE}"]) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # hostile nesting: json recurses per level
+        raise AdapterInvalid([f"{CONFIG_FILE} is nested too deeply"]) from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, bad UTF-8, 4300+-digit integers
         raise AdapterInvalid([f"{CONFIG_FILE} is not valid JSON: {exc}"]) from None
     if not isinstance(config, dict):
         raise AdapterInvalid([f"{CONFIG_FILE} must hold a JSON object, got {type(config).__name__}"])
     return config
+
+
+def _pattern_problems(config: Mapping[str, Any]) -> list[str]:
+    """Every regular expression PEFT would evaluate must compile; else PEFT fails later, at load time."""
+    candidates: list[tuple[str, object]] = []
+    for field in ("rank_pattern", "alpha_pattern"):
+        value = config.get(field)
+        if isinstance(value, dict):
+            candidates += [(f"{field} key {key!r}", key) for key in value]
+    for field in ("target_modules", "exclude_modules"):
+        if isinstance(config.get(field), str):
+            candidates.append((field, config[field]))
+    layers = config.get("layers_pattern")
+    candidates += [("layers_pattern", p) for p in ([layers] if isinstance(layers, str) else layers or [])]
+    problems = []
+    for where, pattern in candidates:
+        if not isinstance(pattern, str):
+            continue
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as exc:
+            problems.append(f"{where} is not a valid regular expression: {exc}")
+    return problems
 
 
 def check_adapter_config(config: Mapping[str, Any], *, layout: BaseModelLayout | None = None) -> ConfigCheck:
@@ -225,6 +252,9 @@ def check_adapter_config(config: Mapping[str, Any], *, layout: BaseModelLayout |
     invalid: list[str] = []
     if "peft_type" not in config:
         invalid.append("peft_type is missing: not a PEFT adapter config")
+    invalid += _pattern_problems(config)
+    if invalid:  # a broken regex would raise inside PEFT's own matching below
+        return ConfigCheck(spec=None, unsupported=tuple(unsupported), invalid=tuple(invalid))
     targets, pattern, target_problems = _resolve_targets(config.get("target_modules"), layout)
     invalid += target_problems
     spec = None
@@ -321,11 +351,7 @@ def _resolve_target_string(
 ) -> tuple[tuple[str, ...], str, list[str]]:
     if raw == ALL_LINEAR:
         return (tuple(sorted(layout.suffixes)) if layout is not None else ()), raw, []
-    try:
-        re.compile(raw)
-    except re.error as exc:
-        return (), raw, [f"target_modules regex {raw!r} does not compile: {exc}"]
-    if layout is None:
+    if layout is None:  # (the regex itself compiled: _pattern_problems checked it first)
         return (), raw, []
     matched = [p for p in layout.modules if _peft_targets(_peft_view(raw), p)]
     if not matched:

@@ -1,19 +1,17 @@
 """build_services: wire settings, database, catalog and an engine client into Services."""
 
-from pathlib import Path
-
+from adapters.store import AdapterStore
+from app.adapter_resolver import AdapterResolver
 from app.authenticator import Authenticator
-from app.catalog import ModelCatalog
+from app.catalog import BaseModelSpec, ModelCatalog
 from app.engine_client import EngineClient
 from app.services import Services
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
 
 
-def build_services(
-    settings: Settings, engine: EngineClient, models: dict[str, tuple[Path, int | None]]
-) -> Services:
-    """`models`: base model name -> (model directory, max_model_len or None for the model's own)."""
+def build_services(settings: Settings, engine: EngineClient, models: dict[str, BaseModelSpec]) -> Services:
+    """`models`: the served base models by name."""
     session_factory = make_session_factory(make_engine(settings.resolved_database_url()))
     secret = settings.resolved_key_secret()
     return Services(
@@ -21,6 +19,8 @@ def build_services(
         key_secret=secret,
         session_factory=session_factory,
         authenticator=Authenticator(session_factory, secret, ttl=settings.auth_cache_ttl_s),
-        catalog=ModelCatalog.from_dirs(models),
+        catalog=ModelCatalog.from_specs(models),
         engine=engine,
+        adapters=AdapterResolver(session_factory, ttl=settings.adapter_cache_ttl_s),
+        store=AdapterStore(settings.resolved_adapter_store()),
     )

@@ -17,12 +17,14 @@ from rich.table import Table
 from rich.text import Text
 
 from app import cli_run
+from app.cli_adapters import adapters_app
 from app.cli_http import (
     DEFAULT_URL,
     EXIT_USAGE,
     JSON,
     CLIOptions,
     admin_client,
+    confirmed_delete,
     emit,
     fail,
     fmt_time,
@@ -42,7 +44,7 @@ db_app = typer.Typer(
 
 
 def _groups() -> list[tuple[str, typer.Typer]]:
-    return [("tenants", tenants_app), ("keys", keys_app), ("db", db_app)]
+    return [("tenants", tenants_app), ("keys", keys_app), ("adapters", adapters_app), ("db", db_app)]
 
 
 def build_app() -> typer.Typer:
@@ -142,20 +144,19 @@ def tenants_delete(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Disable a tenant and revoke its keys. Nothing is erased: its records and usage history stay."""
-    client = admin_client(ctx)
-    path = f"/admin/tenants/{_segment(tenant_id)}"
-    if not yes:
-        tenant = client.get(path)
-        if tenant.get("status") == "disabled":
-            emit(ctx, tenant, _print_already_disabled)
-            return
-        question = (
+    confirmed_delete(
+        ctx,
+        f"/admin/tenants/{_segment(tenant_id)}",
+        yes=yes,
+        already_gone=lambda tenant: tenant.get("status") == "disabled",
+        question=lambda tenant: (
             f"Disable tenant {tenant.get('name')!r} ({tenant_id})? Its API keys are revoked at once; "
             "its records and usage history are kept."
-        )
-        if not typer.confirm(question, err=True):
-            fail(f"cancelled: tenant {tenant_id} is unchanged")
-    emit(ctx, client.delete(path), _print_disabled)
+        ),
+        cancelled=f"cancelled: tenant {tenant_id} is unchanged",
+        print_already=_print_already_disabled,
+        print_done=_print_disabled,
+    )
 
 
 def _print_disabled(tenant: JSON) -> None:

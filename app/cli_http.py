@@ -115,7 +115,7 @@ class AdminClient:
         except httpx.HTTPError as exc:
             fail(f"{method} {self.url}{path} failed: {exc or type(exc).__name__}", code=EXIT_USAGE)
         if response.is_error:
-            _fail_from_response(response)
+            fail_from_response(response)
         try:
             payload = response.json()
         except ValueError:
@@ -142,7 +142,7 @@ def admin_client(ctx: typer.Context) -> AdminClient:
     return client
 
 
-def _fail_from_response(response: httpx.Response) -> NoReturn:
+def fail_from_response(response: httpx.Response) -> NoReturn:
     """Exit 1 with the API's error message (OpenAI shape `{"error": {"message", "code"}}`) and status."""
     message, code = _error_of(response)
     hint = None
@@ -167,3 +167,26 @@ def _error_of(response: httpx.Response) -> tuple[str, str | None]:
             return payload["detail"], None
     text = " ".join(response.text.split())
     return (text[:300] or response.reason_phrase or "request failed"), None
+
+
+def confirmed_delete(
+    ctx: typer.Context,
+    path: str,
+    *,
+    yes: bool,
+    already_gone: Callable[[JSON], bool],
+    question: Callable[[JSON], str],
+    cancelled: str,
+    print_already: Callable[[JSON], None],
+    print_done: Callable[[JSON], None],
+) -> None:
+    """DELETE `path`, unless the caller declines when asked; say so when there is nothing left to do."""
+    client = admin_client(ctx)
+    if not yes:
+        current = client.get(path)
+        if already_gone(current):
+            emit(ctx, current, print_already)
+            return
+        if not typer.confirm(question(current), err=True):
+            fail(cancelled)
+    emit(ctx, client.delete(path), print_done)

@@ -1,4 +1,4 @@
-"""The embedded defaults behind `loraplex up`: database, demo models and adapters, a demo tenant and key."""
+"""The embedded defaults behind `loraplex up`: database, demo models and public demo adapters, a demo key."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,12 +8,16 @@ import yaml
 
 from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
 from adapters.store import AdapterStore
+from app.adapter_ingest import AdapterIngest
 from app.auth import generate_key
+from app.catalog import BaseModelSpec, ModelCatalog
 from app.settings import Settings
-from billing import repository
+from billing import adapter_registry, repository
 from billing.db import make_engine, make_session_factory, session_scope
 from billing.errors import TenantNameTaken
 from billing.migrate import upgrade
+from billing.models import PUBLIC_OWNER
+from deployments.engine.config import EngineConfig
 from deployments.engine.demo_model import Arch, ensure_model
 
 DEMO_TENANT = "demo"
@@ -24,7 +28,7 @@ class DemoSetup:
     tenant_id: str
     api_key: str
     models: dict[str, Path]  # served name -> model directory
-    adapters: dict[str, str]  # adapter name -> "id@vN" in the store
+    adapters: list[str]  # model names of the public demo adapters
 
 
 def model_entries(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,16 +50,20 @@ def prepare(settings: Settings, config_path: Path) -> DemoSetup:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url()
     upgrade(url)
-    config = yaml.safe_load(config_path.read_text())
-    models: dict[str, Path] = {}
-    adapters: dict[str, str] = {}
-    store = AdapterStore(settings.resolved_adapter_store())
-    for entry in model_entries(config):
-        model_dir = ensure_demo_model(entry["name"], Path(entry["engine"]["model"]))
-        models[entry["name"]] = model_dir
-        if entry["name"].startswith("demo-"):
-            adapters.update(_ensure_demo_adapters(settings, store, entry["name"], model_dir))
     sessions = make_session_factory(make_engine(url))
+    specs = {}
+    for entry in model_entries(yaml.safe_load(config_path.read_text())):
+        engine = EngineConfig(adapter_store=settings.resolved_adapter_store(), **entry["engine"])
+        model_dir = ensure_demo_model(entry["name"], engine.model)
+        specs[entry["name"]] = BaseModelSpec(
+            model_dir, engine.max_model_len, engine.max_lora_rank, engine.lora_target_modules
+        )
+    catalog = ModelCatalog.from_specs(specs)
+    ingest = AdapterIngest(catalog, AdapterStore(settings.resolved_adapter_store()), sessions)
+    adapters: list[str] = []
+    for base in catalog:
+        if base.name.startswith("demo-"):
+            adapters += _ensure_demo_adapters(settings, ingest, sessions, base.name, catalog)
     key = generate_key(settings.resolved_key_secret())
     with session_scope(sessions) as session:
         try:
@@ -66,18 +74,26 @@ def prepare(settings: Settings, config_path: Path) -> DemoSetup:
             session, tenant_id=tenant.id, prefix=key.prefix, key_hash=key.hash, name="demo"
         )
         tenant_id = tenant.id
-    return DemoSetup(tenant_id=tenant_id, api_key=key.plaintext, models=models, adapters=adapters)
+    return DemoSetup(
+        tenant_id, key.plaintext, {name: spec.model_dir for name, spec in specs.items()}, adapters
+    )
 
 
 def _ensure_demo_adapters(
-    settings: Settings, store: AdapterStore, base: str, model_dir: Path
-) -> dict[str, str]:
-    """The demo adapters for one demo base model, built with PEFT and stored once."""
-    refs = {}
+    settings: Settings, ingest: AdapterIngest, sessions: Any, base_name: str, catalog: ModelCatalog
+) -> list[str]:
+    """The demo adapters of one demo base model, built with PEFT and registered as public adapters.
+    With several demo bases, each base's set is suffixed by the base's name to keep names unique."""
+    base = catalog.get(base_name)
+    assert base is not None
+    single = len([b for b in catalog if b.name.startswith("demo-")]) == 1
+    names = []
     for demo in DEMO_ADAPTERS:
-        adapter_id = f"{base}--{demo.name}"
-        if not store.versions(adapter_id):
-            path = build_from_recipe(demo, model_dir, settings.data_dir / "demo-adapters" / adapter_id)
-            store.put_dir(adapter_id, path)
-        refs[demo.name] = str(store.latest(adapter_id))
-    return refs
+        name = demo.name if single else f"{demo.name}.{base_name}"
+        with sessions() as session:
+            exists = adapter_registry.find_live(session, owner=PUBLIC_OWNER, name=name) is not None
+        if not exists:
+            path = build_from_recipe(demo, base.model_dir, settings.data_dir / "demo-adapters" / name)
+            ingest.register_dir(name, PUBLIC_OWNER, base, path)
+        names.append(f"public/{name}")
+    return names

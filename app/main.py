@@ -4,7 +4,7 @@ from fastapi import FastAPI
 
 from app.errors import install_error_handlers
 from app.middleware import RequestContextMiddleware
-from app.routes import admin, completions, health, models
+from app.routes import admin, admin_adapters, completions, health, models
 from app.services import Services
 
 
@@ -17,6 +17,6 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False) -> FastA
     app.state.services = services
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, emit_header=not behind_serve_proxy)
-    for router in (completions.router, models.router, admin.router, health.router):
+    for router in (completions.router, models.router, admin.router, admin_adapters.router, health.router):
         app.include_router(router)
     return app

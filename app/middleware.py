@@ -14,6 +14,7 @@ import re
 import uuid
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import to_api_error
@@ -55,6 +56,8 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # the client went away mid-request: nobody to answer
+            log.info("client disconnected (request %s)", request_id)
         except Exception as error:
             if started:  # mid-stream: the body already began; nothing left to do but log
                 log.exception("error after the response started (request %s)", request_id)

@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session
 
 from adapters.ref import AdapterRef
+from adapters.store import AdapterStore
+from app.adapter_resolver import AdapterResolver
 from app.authenticator import Authenticator, Principal
 from app.catalog import BaseModelEntry, ModelCatalog
 from app.engine_client import EngineClient
 from app.errors import ModelNotFound
 from app.observers import RequestObserver
-from app.schemas.openai import ModelCard
 from app.settings import Settings
 
 
@@ -24,10 +25,6 @@ class Target:
     adapter: AdapterRef | None
 
 
-# (principal, requested name) -> (base model name, adapter ref), or None if the tenant has no such adapter.
-AdapterResolver = Callable[[Principal, str], tuple[str, AdapterRef] | None]
-
-
 @dataclass
 class Services:
     settings: Settings
@@ -36,15 +33,15 @@ class Services:
     authenticator: Authenticator
     catalog: ModelCatalog
     engine: EngineClient
-    resolve_adapter: AdapterResolver = lambda _principal, _name: None
-    list_adapters: Callable[[Principal], list[ModelCard]] = lambda _principal: []
+    adapters: AdapterResolver
+    store: AdapterStore
     observers: list[RequestObserver] = field(default_factory=list)
 
-    def resolve(self, principal: Principal, model: str) -> Target:
+    async def resolve(self, principal: Principal, model: str) -> Target:
         base = self.catalog.get(model)
         if base is not None:
             return Target(model, base, None)
-        found = self.resolve_adapter(principal, model)
+        found = await self.adapters.resolve(principal, model)
         if found is None:
             raise ModelNotFound(model)
         base_name, ref = found

@@ -33,6 +33,13 @@ class Settings(BaseSettings):
         default=None, description="Adapter store root; default data_dir/adapters."
     )
 
+    adapter_cache_ttl_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="How long a name -> adapter version lookup is cached per ingress replica.",
+    )
+    max_upload_mb: int = Field(default=1024, ge=1, description="Largest adapter upload accepted.")
+
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
 

@@ -75,7 +75,12 @@ def build_app(args: dict[str, Any]) -> Application:
             health_check_period_s=10,
         )(EngineReplica)
         handles[model.name] = deployment.bind(config.model_dump(mode="json"))
-        models[model.name] = {"model": str(config.model), "max_model_len": config.max_model_len}
+        models[model.name] = {
+            "model": str(config.model),
+            "max_model_len": config.max_model_len,
+            "max_lora_rank": config.max_lora_rank,
+            "lora_target_modules": list(config.lora_target_modules),
+        }
     ingress = serve.deployment(
         name="ingress",
         num_replicas=parsed.ingress_replicas,

@@ -8,19 +8,28 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from app.settings import Settings
+from billing.db import make_engine, make_session_factory
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
+from deployments.registry_watcher import RegistryWatcher
 
 log = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    def __init__(self, engine_config: dict[str, Any]) -> None:
+    def __init__(self, engine_config: dict[str, Any], *, watch_registry: bool = True) -> None:
         self.config = EngineConfig(**engine_config)
         self.engine = AsyncEngine(self.config)
+        self.watcher: RegistryWatcher | None = None
+        if watch_registry:
+            settings = Settings()
+            sessions = make_session_factory(make_engine(settings.resolved_database_url()))
+            self.watcher = RegistryWatcher(self.engine, self.config.name, sessions)
+            self.watcher.start()
         log.info("engine replica for %s ready", self.config.name)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -36,6 +45,9 @@ class EngineReplica:
             raise EngineStopped(f"engine loop died: {self.engine._error}")
 
     def __del__(self) -> None:
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None:
+            watcher.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.bootstrap import build_services
+from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.settings import Settings
 from deployments.serve_engine_client import ServeEngineClient
@@ -21,8 +22,16 @@ from deployments.serve_engine_client import ServeEngineClient
 class Ingress:
     def __init__(self, engines: dict[str, DeploymentHandle[Any]], models: dict[str, dict[str, Any]]) -> None:
         self.settings = Settings()
-        catalog = {name: (Path(spec["model"]), spec.get("max_model_len")) for name, spec in models.items()}
-        self.services = build_services(self.settings, ServeEngineClient(engines), catalog)
+        specs = {
+            name: BaseModelSpec(
+                model_dir=Path(spec["model"]),
+                max_model_len=spec.get("max_model_len"),
+                max_lora_rank=spec["max_lora_rank"],
+                lora_targets=tuple(spec["lora_target_modules"]),
+            )
+            for name, spec in models.items()
+        }
+        self.services = build_services(self.settings, ServeEngineClient(engines), specs)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.services, behind_serve_proxy=True)

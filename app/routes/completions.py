@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1", tags=["inference"], route_class=TenantRoute)
 async def chat_completions(
     body: ChatCompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
 ) -> JSONResponse | StreamingResponse:
-    target = services.resolve(principal, body.model)
+    target = await services.resolve(principal, body.model)
     prompt_ids = target.base.prompts.chat(body.messages)
     generation = Generation.begin(services, principal, target, request_id, "chat", body)
     return await generation.respond(prompt_ids, sampling_params(body, body.output_limit))
@@ -25,7 +25,7 @@ async def chat_completions(
 async def completions(
     body: CompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
 ) -> JSONResponse | StreamingResponse:
-    target = services.resolve(principal, body.model)
+    target = await services.resolve(principal, body.model)
     prompt_ids = target.base.prompts.completion(body.prompt)
     generation = Generation.begin(services, principal, target, request_id, "completion", body)
     return await generation.respond(prompt_ids, sampling_params(body, body.output_limit))

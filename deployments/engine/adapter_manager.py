@@ -134,6 +134,10 @@ class AdapterManager:
             if slot is not None:
                 self.slots.release(slot)
 
+    def held(self) -> set[AdapterRef]:
+        """Every version this engine has in a slot, in CPU memory, or loading."""
+        return set(self.slots.resident()) | set(self.cpu.resident()) | set(self.cpu.loading())
+
     def close(self) -> None:
         self.cpu.close()
 

@@ -108,9 +108,10 @@ class AsyncEngine:
         self._submit(job)
         return await done
 
+    # Adapter operations run on the loop thread between steps; errors (a ref that vanished) are logged.
+
     def pin_adapter(self, ref: AdapterRef) -> None:
-        self.engine.adapters.check(ref)
-        self._submit(lambda: self.engine.adapters.pin(ref))
+        self._submit(self._logged(lambda: self.engine.adapters.pin(ref), f"pin {ref}"))
 
     def unpin_adapter(self, ref: AdapterRef) -> None:
         self._submit(lambda: self.engine.adapters.unpin(ref))
@@ -119,7 +120,18 @@ class AsyncEngine:
         self._submit(lambda: self.engine.adapters.remove(adapter_id))
 
     def prefetch_adapter(self, ref: AdapterRef) -> None:
-        self.engine.adapters.prefetch(ref)  # the load runs in the adapter pool, not on the loop thread
+        # Only starts the load; reading the files happens in the adapter loader's threads.
+        self._submit(self._logged(lambda: self.engine.adapters.prefetch(ref), f"prefetch {ref}"))
+
+    @staticmethod
+    def _logged(job: Callable[[], object], what: str) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                job()
+            except Exception as error:
+                log.warning("%s failed: %s", what, error)
+
+        return run
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -157,6 +169,7 @@ class AsyncEngine:
         try:
             while not self._stopped.is_set():
                 self._drain_inbox()
+                self.engine.adapters.load_pinned()  # also when idle: a pin takes its slot right away
                 busy = self.engine.has_unfinished()
                 if busy:
                     outputs = self.engine.step()

@@ -180,7 +180,7 @@ def test_training_only_options_are_ignored(changes: dict[str, Any]) -> None:
         ({"r": "8"}, "r"),
         ({"r": 0}, "r"),
         ({"rank_pattern": {"q_proj": -1}}, "rank_pattern"),
-        ({"target_modules": "(unclosed"}, "does not compile"),
+        ({"target_modules": "(unclosed"}, "not a valid regular expression"),
         ({"layers_to_transform": [0], "target_modules": "q_proj"}, "layers_to_transform"),
     ],
 )

@@ -6,15 +6,17 @@ No Ray here: these tests pin down the HTTP behaviour; tests/e2e runs the same ap
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
+from click.testing import Result
 
 from app.bootstrap import build_services
+from app.catalog import BaseModelSpec
 from app.engine_client import LocalEngineClient
 from app.main import create_app
 from app.services import Services
@@ -22,6 +24,7 @@ from app.settings import Settings
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
+from deployments.registry_watcher import RegistryWatcher
 from tests.model_fixtures import TinySetup
 
 ADMIN_KEY = "admin-test-key"
@@ -91,6 +94,7 @@ def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         database_url=url,
         admin_key=ADMIN_KEY,  # type: ignore[arg-type]
         auth_cache_ttl_s=0.2,
+        adapter_cache_ttl_s=0.2,
         adapter_store=llama.store_root,
     )
     engine = AsyncEngine(
@@ -104,12 +108,33 @@ def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             max_num_batched_tokens=128,
         )
     )
-    services = build_services(settings, LocalEngineClient({MODEL: engine}), {MODEL: (llama.model_dir, None)})
+    specs = {MODEL: BaseModelSpec(llama.model_dir)}
+    services = build_services(settings, LocalEngineClient({MODEL: engine}), specs)
+    watcher = RegistryWatcher(engine, MODEL, services.session_factory, interval_s=0.2)  # as on a replica
+    watcher.start()
     with LiveServer(create_app(services)) as server:
         yield Served(server.url, engine, services, llama, data_dir)
+    watcher.stop()
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def tenant(served: Served) -> tuple[str, str]:
     return served.new_tenant("acme")
+
+
+@pytest.fixture
+def cli(served: Served, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Result]:
+    """Run `loraplex --url <served> --admin-key <key> ARGS...`; the environment cannot leak in."""
+    from typer.testing import CliRunner
+
+    from app.cli import build_app
+
+    for name in ("LORAPLEX_URL", "LORAPLEX_ADMIN_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None) -> Result:
+        return runner.invoke(build_app(), ["--url", served.url, "--admin-key", ADMIN_KEY, *args], input=input)
+
+    return invoke

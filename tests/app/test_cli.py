@@ -1,6 +1,7 @@
 """`loraplex` CLI against the live app (HTTP commands) and a temporary SQLite file (db commands)."""
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -9,24 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
+from alembic.script import ScriptDirectory
 from typer.testing import CliRunner, Result
 
 from app.cli import build_app
 from billing import repository
+from billing.migrate import alembic_config
 from tests.app.conftest import ADMIN_KEY, Served, free_port
-
-
-@pytest.fixture
-def cli(served: Served, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Result]:
-    """Run `loraplex --url <served> --admin-key <key> ARGS...`; the environment cannot leak in."""
-    for name in ("LORAPLEX_URL", "LORAPLEX_ADMIN_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    runner = CliRunner()
-
-    def invoke(*args: str, input: str | None = None) -> Result:
-        return runner.invoke(build_app(), ["--url", served.url, "--admin-key", ADMIN_KEY, *args], input=input)
-
-    return invoke
 
 
 def unique(prefix: str) -> str:
@@ -182,17 +172,18 @@ def test_db_upgrade_current_downgrade(tmp_path: Path, monkeypatch: pytest.Monkey
     assert as_json(runner.invoke(build_app(), ["--json", "db", "current"]))["revision"] is None
     assert not (tmp_path / "cli.db").exists()  # looking did not create the file
 
+    head = ScriptDirectory.from_config(alembic_config(os.environ["LORAPLEX_DATABASE_URL"])).get_current_head()
     upgraded = db("upgrade")
     assert upgraded.exit_code == 0, upgraded.output
-    assert "base -> 0001 (head)" in upgraded.stdout
+    assert f"base -> {head} (head)" in upgraded.stdout
     state = as_json(runner.invoke(build_app(), ["--json", "db", "current"]))
-    assert state["revision"] == state["head"] == "0001"
-    assert "0001 (head)" in db("current").stdout
-    assert "already at 0001" in db("upgrade").stdout
+    assert state["revision"] == state["head"] == head
+    assert f"{head} (head)" in db("current").stdout
+    assert f"already at {head}" in db("upgrade").stdout
 
     downgraded = db("downgrade", "base")
     assert downgraded.exit_code == 0, downgraded.output
-    assert "0001 -> base" in downgraded.stdout
+    assert f"{head} -> base" in downgraded.stdout
     assert "no migrations applied" in db("current").stdout
 
     unknown = db("upgrade", "nosuchrevision")

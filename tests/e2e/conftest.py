@@ -21,9 +21,9 @@ APP_NAME = "loraplex"
 
 
 def engine_settings(setup: TinySetup, **overrides: Any) -> dict[str, Any]:
+    """No adapter_store: every engine uses the platform's one store (LORAPLEX_ADAPTER_STORE)."""
     return {
         "model": str(setup.model_dir),
-        "adapter_store": str(setup.store_root),
         "num_kv_blocks": 256,
         "block_size": 4,
         "max_num_seqs": 16,
@@ -83,7 +83,7 @@ def serve_app(
         "LORAPLEX_DATABASE_URL": database_url,
         "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
         "LORAPLEX_AUTH_CACHE_TTL_S": "0.2",
-        "LORAPLEX_ADAPTER_STORE": str(tiny_setups["llama"].store_root),
+        "LORAPLEX_ADAPTER_STORE": str(data_dir / "adapters"),
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the local cluster's workers inherit this process's environment

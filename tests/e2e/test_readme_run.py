@@ -51,6 +51,11 @@ def test_loraplex_up_serves_with_the_printed_key(tmp_path: Path) -> None:
             model="demo-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=8
         )
         assert reply.usage.completion_tokens >= 1
+        assert "public/demo-sql" in [m.id for m in client.models.list().data]  # the demo adapters serve too
+        adapted = client.chat.completions.create(
+            model="public/demo-sql", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        assert adapted.usage.completion_tokens >= 1
         assert (tmp_path / "var" / "loraplex.db").exists()  # the embedded defaults, in the new directory
         assert (tmp_path / "var" / "models" / "demo-llama" / "config.json").exists()
         bad = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer sk-lp-nope"})

@@ -1,0 +1,78 @@
+"""RegistryWatcher: keeps one engine replica in line with the adapter registry.
+
+Every replica polls the registry (a small indexed query every couple of seconds) instead of being told:
+Ray Serve has no broadcast to all replicas of a deployment, and a replica that starts or restarts later
+catches up by itself. Each pass: adapters deleted since -> dropped from CPU memory and device slots (running
+requests finish on what they hold); pinned adapters -> their newest version pinned in a slot, older pins
+released; versions uploaded since the first pass -> prefetched into the CPU tier.
+"""
+
+import logging
+import threading
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
+
+from adapters.ref import AdapterRef
+from billing import adapter_registry
+from deployments.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+class RegistryWatcher:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        base_model: str,
+        session_factory: Callable[[], Session],
+        *,
+        interval_s: float = 2.0,
+    ) -> None:
+        self._engine = engine
+        self._base_model = base_model
+        self._sessions = session_factory
+        self._interval = interval_s
+        self._live: dict[str, AdapterRef] = {}  # adapter id -> newest version, as of the last pass
+        self._first = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def sync_once(self) -> None:
+        with self._sessions() as session:
+            rows = adapter_registry.list_adapters(session, base_model=self._base_model)
+        live = {r.adapter.id: AdapterRef(r.adapter.id, r.latest.version) for r in rows}
+        wanted_pins = {live[r.adapter.id] for r in rows if r.adapter.pinned}
+        engine = self._engine
+        # Compare with what the engine holds, not only with the last pass: an adapter uploaded, used and
+        # deleted between two passes must still be dropped.
+        held = {ref.adapter_id for ref in engine.engine.adapters.held()}
+        for adapter_id in (held | self._live.keys()) - live.keys():
+            log.info("adapter %s is gone from the registry: dropping it from this replica", adapter_id)
+            engine.remove_adapter(adapter_id)
+        if not self._first:
+            for adapter_id, ref in live.items():
+                if self._live.get(adapter_id) != ref and ref not in wanted_pins:
+                    engine.prefetch_adapter(ref)  # uploaded since the last pass
+        pinned = set(engine.engine.adapters.slots.pinned)
+        for ref in pinned - wanted_pins:
+            engine.unpin_adapter(ref)
+        for ref in wanted_pins - pinned:
+            engine.pin_adapter(ref)
+        self._live = live
+        self._first = False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync_once()
+            except Exception:  # the database may be away for a while: keep serving, try again
+                log.exception("registry sync failed")
+            self._stop.wait(self._interval)

@@ -1,0 +1,196 @@
+"""Adapters through HTTP: upload (archive or two files), use at once, versions, isolation, pin, delete."""
+
+import io
+import tarfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import NotFoundError, OpenAI
+
+from adapters.ref import AdapterRef
+from app.schemas.openai import ChatMessage
+from tests.app.conftest import MODEL, Served
+from tests.engine.reference import PeftReference
+
+PROMPT = [{"role": "user", "content": "write something"}]
+
+
+def upload_files(served: Served, name: str, owner: str, source: Path) -> httpx.Response:
+    with served.admin() as admin:
+        return admin.post(
+            "/admin/adapters",
+            data={"name": name, "owner": owner},
+            files={
+                "adapter_config": ("adapter_config.json", (source / "adapter_config.json").read_bytes()),
+                "adapter_model": (
+                    "adapter_model.safetensors",
+                    (source / "adapter_model.safetensors").read_bytes(),
+                ),
+            },
+        )
+
+
+def upload_archive(served: Served, name: str, owner: str, source: Path) -> httpx.Response:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            tar.add(source / file, arcname=f"my-adapter/{file}")
+    with served.admin() as admin:
+        return admin.post(
+            "/admin/adapters",
+            data={"name": name, "owner": owner, "base_model": MODEL},
+            files={"file": ("adapter.tar.gz", buffer.getvalue(), "application/gzip")},
+        )
+
+
+@pytest.fixture(scope="module")
+def reference(served: Served) -> PeftReference:
+    return PeftReference(served.setup.model_dir, served.setup.adapter_dirs)
+
+
+def greedy(client: OpenAI, model: str, max_tokens: int = 12) -> str:
+    reply = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def reference_text(
+    served: Served, reference: PeftReference, adapter: str | None, max_tokens: int = 12
+) -> str:
+    prompts = served.services.catalog.get(MODEL).prompts
+    ids = reference.greedy(prompts.chat([ChatMessage(**m) for m in PROMPT]), adapter, max_tokens)
+    return prompts.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def wait_until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_upload_then_use_at_once_equals_peft(served: Served, reference: PeftReference) -> None:
+    tenant_id, key = served.new_tenant(f"up-{uuid.uuid4().hex[:8]}")
+    response = upload_files(served, "sql", tenant_id, served.setup.adapter_dirs["demo-sql"])
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert body["version"] == 1 and body["status"] == "ready" and body["owner"] == tenant_id
+    assert body["rank"] == 8 and body["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert len(body["sha256"]) == 64 and body["size_bytes"] > 0 and body["model"] == "sql"
+    client = OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+    assert greedy(client, "sql") == reference_text(served, reference, "demo-sql")
+    assert greedy(client, "sql") != greedy(client, MODEL)
+    assert "sql" in [m.id for m in client.models.list().data]
+
+
+def test_archive_upload_and_a_new_version_takes_over(served: Served, reference: PeftReference) -> None:
+    tenant_id, key = served.new_tenant(f"ver-{uuid.uuid4().hex[:8]}")
+    first = upload_archive(served, "helper", tenant_id, served.setup.adapter_dirs["demo-poet"])
+    assert first.status_code == 201, first.text
+    client = OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+    assert greedy(client, "helper") == reference_text(served, reference, "demo-poet")
+    second = upload_files(served, "helper", tenant_id, served.setup.adapter_dirs["demo-pirate"])
+    assert second.status_code == 201 and second.json()["id"] == first.json()["id"]
+    assert second.json()["version"] == 2 and [v["version"] for v in second.json()["versions"]] == [1, 2]
+    want = reference_text(served, reference, "demo-pirate")
+    wait_until(lambda: greedy(client, "helper") == want)  # within the resolver's cache TTL
+
+
+def test_a_running_request_finishes_on_the_version_it_started_with(
+    served: Served, reference: PeftReference
+) -> None:
+    tenant_id, key = served.new_tenant(f"swap-{uuid.uuid4().hex[:8]}")
+    assert upload_files(served, "swap", tenant_id, served.setup.adapter_dirs["demo-legal"]).status_code == 201
+    body = {"model": "swap", "messages": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
+    pieces: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"authorization": f"Bearer {key}"}) as response:  # fmt: skip
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    delta = __import__("json").loads(line[6:])["choices"]
+                    pieces.append(delta[0]["delta"].get("content") or "" if delta else "")
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(30)
+    assert upload_files(served, "swap", tenant_id, served.setup.adapter_dirs["demo-chef"]).status_code == 201
+    worker.join(60)
+    assert "".join(pieces) == reference_text(served, reference, "demo-legal", 60)
+
+
+def test_private_adapters_are_invisible_to_other_tenants(served: Served) -> None:
+    owner_id, owner_key = served.new_tenant(f"own-{uuid.uuid4().hex[:8]}")
+    _, other_key = served.new_tenant(f"oth-{uuid.uuid4().hex[:8]}")
+    assert upload_files(served, "secret", owner_id, served.setup.adapter_dirs["demo-sql"]).status_code == 201
+    other = OpenAI(base_url=f"{served.url}/v1", api_key=other_key, max_retries=0)
+    with pytest.raises(NotFoundError) as theirs:
+        greedy(other, "secret")
+    with pytest.raises(NotFoundError) as nothing:
+        greedy(other, "no-such-adapter-xyz")
+    assert theirs.value.body == {**nothing.value.body, "message": nothing.value.body["message"].replace(
+        "no-such-adapter-xyz", "secret")}  # fmt: skip
+    assert "secret" not in [m.id for m in other.models.list().data]
+    owner = OpenAI(base_url=f"{served.url}/v1", api_key=owner_key, max_retries=0)
+    assert "secret" in [m.id for m in owner.models.list().data]
+
+
+def test_public_adapters_serve_every_tenant_under_public_prefix(served: Served) -> None:
+    name = f"shared-{uuid.uuid4().hex[:6]}"
+    response = upload_files(served, name, "public", served.setup.adapter_dirs["demo-chef"])
+    assert response.status_code == 201 and response.json()["model"] == f"public/{name}"
+    for _ in range(2):
+        _, key = served.new_tenant(f"pub-{uuid.uuid4().hex[:8]}")
+        client = OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+        assert f"public/{name}" in [m.id for m in client.models.list().data]
+        assert greedy(client, f"public/{name}")
+        with pytest.raises(NotFoundError):
+            greedy(client, name)  # a plain name is always the tenant's own
+
+
+def test_delete_makes_it_unservable_at_once_and_frees_it_on_the_engine(served: Served) -> None:
+    tenant_id, key = served.new_tenant(f"del-{uuid.uuid4().hex[:8]}")
+    created = upload_files(served, "gone", tenant_id, served.setup.adapter_dirs["demo-poet"]).json()
+    client = OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+    greedy(client, "gone")
+    ref = str(AdapterRef(created["id"], 1))
+    assert ref in served.engine.stats().cpu_adapters
+    with served.admin() as admin:
+        deleted = admin.delete(f"/admin/adapters/{created['id']}")
+        assert deleted.status_code == 200 and deleted.json()["status"] == "deleted"
+        assert admin.get(f"/admin/adapters/{created['id']}").json()["deleted_at"]  # the row stays
+    with pytest.raises(NotFoundError):
+        greedy(client, "gone")
+    wait_until(lambda: ref not in served.engine.stats().cpu_adapters + served.engine.stats().device_adapters)
+    assert not (served.services.store.root / created["id"]).exists()
+    again = upload_files(
+        served, "gone", tenant_id, served.setup.adapter_dirs["demo-sql"]
+    )  # name is free again
+    assert again.status_code == 201 and again.json()["id"] != created["id"]
+
+
+def test_pin_keeps_it_in_a_device_slot(served: Served) -> None:
+    tenant_id, _ = served.new_tenant(f"pin-{uuid.uuid4().hex[:8]}")
+    created = upload_files(served, "hot", tenant_id, served.setup.adapter_dirs["demo-legal"]).json()
+    with served.admin() as admin:
+        patched = admin.patch(f"/admin/adapters/{created['id']}", json={"pinned": True})
+        assert patched.status_code == 200 and patched.json()["pinned"] is True
+        ref = str(AdapterRef(created["id"], 1))
+        wait_until(lambda: ref in served.engine.stats().device_adapters)
+        admin.patch(f"/admin/adapters/{created['id']}", json={"pinned": False})
+    wait_until(lambda: AdapterRef(created["id"], 1) not in served.engine.engine.adapters.slots.pinned)
+
+
+def test_admin_listing_filters(served: Served) -> None:
+    tenant_id, _ = served.new_tenant(f"list-{uuid.uuid4().hex[:8]}")
+    upload_files(served, "one", tenant_id, served.setup.adapter_dirs["demo-sql"])
+    with served.admin() as admin:
+        mine = admin.get("/admin/adapters", params={"owner": tenant_id}).json()["data"]
+        assert [a["name"] for a in mine] == ["one"]
+        assert admin.get("/admin/adapters/ad_doesnotexist").status_code == 404

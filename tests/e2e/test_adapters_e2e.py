@@ -1,0 +1,119 @@
+"""Adapters end to end on Ray Serve: upload a PEFT adapter over HTTP, use it at once through the OpenAI SDK
+with PEFT's output, replace it while a long request keeps its version, delete it everywhere."""
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import NotFoundError, OpenAI
+
+from app.prompts import PromptBuilder
+from app.schemas.openai import ChatMessage
+from tests.e2e.conftest import ServeApp
+from tests.engine.reference import PeftReference
+
+PROMPT = [{"role": "user", "content": "tell me a story"}]
+
+
+def upload(app: ServeApp, name: str, owner: str, source: Path, base_model: str) -> httpx.Response:
+    with app.admin() as admin:
+        return admin.post(
+            "/admin/adapters",
+            data={"name": name, "owner": owner, "base_model": base_model},
+            files={
+                "adapter_config": ("adapter_config.json", (source / "adapter_config.json").read_bytes()),
+                "adapter_model": (
+                    "adapter_model.safetensors",
+                    (source / "adapter_model.safetensors").read_bytes(),
+                ),
+            },
+        )
+
+
+def chat(client: OpenAI, model: str, max_tokens: int = 10) -> str:
+    reply = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def expected(app: ServeApp, arch: str, adapter: str, max_tokens: int = 10) -> str:
+    setup = app.setups[arch]
+    prompts = PromptBuilder(setup.model_dir)
+    ids = PeftReference(setup.model_dir, {adapter: setup.adapter_dirs[adapter]}).greedy(
+        prompts.chat([ChatMessage(**m) for m in PROMPT]), adapter, max_tokens
+    )
+    return prompts.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def eventually(check, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_upload_use_replace_delete(serve_app: ServeApp) -> None:
+    tenant_id, key = serve_app.new_tenant(f"adp-{uuid.uuid4().hex[:8]}")
+    client = OpenAI(base_url=f"{serve_app.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    first = upload(
+        serve_app, "story", tenant_id, serve_app.setups["llama"].adapter_dirs["demo-sql"], "tiny-llama"
+    )
+    assert first.status_code == 201, first.text
+    assert chat(client, "story") == expected(serve_app, "llama", "demo-sql")
+
+    # A long request on version 1, and version 2 uploaded while it runs.
+    long_text: list[str] = []
+    started = threading.Event()
+
+    def long_request() -> None:
+        body = {"model": "story", "messages": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{serve_app.url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {key}"}) as response:  # fmt: skip
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    choices = json.loads(line[6:])["choices"]
+                    long_text.append(choices[0]["delta"].get("content") or "" if choices else "")
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    assert started.wait(60)
+    second = upload(serve_app, "story", tenant_id, serve_app.setups["llama"].adapter_dirs["demo-pirate"],
+                    "tiny-llama")  # fmt: skip
+    assert second.status_code == 201 and second.json()["version"] == 2
+    want_v2 = expected(serve_app, "llama", "demo-pirate")
+    eventually(lambda: chat(client, "story") == want_v2)
+    worker.join(120)
+    assert "".join(long_text) == expected(serve_app, "llama", "demo-sql", 60)
+
+    # Deleted: 404 to the tenant at once, and dropped from the engine replica.
+    with serve_app.admin() as admin:
+        assert admin.delete(f"/admin/adapters/{first.json()['id']}").status_code == 200
+    with pytest.raises(NotFoundError):
+        chat(client, "story")
+    handle = serve_app.engine_handle("tiny-llama")
+
+    def dropped() -> bool:
+        stats = handle.stats.remote().result()
+        return not any(r.startswith(first.json()["id"]) for r in stats.cpu_adapters + stats.device_adapters)
+
+    eventually(dropped)
+
+
+@pytest.mark.slow
+def test_public_adapter_on_the_second_base_model(serve_app: ServeApp) -> None:
+    name = f"pub-{uuid.uuid4().hex[:6]}"
+    made = upload(
+        serve_app, name, "public", serve_app.setups["qwen2"].adapter_dirs["demo-poet"], "tiny-qwen2"
+    )
+    assert made.status_code == 201, made.text
+    _, key = serve_app.new_tenant(f"q-{uuid.uuid4().hex[:8]}")
+    client = OpenAI(base_url=f"{serve_app.url}/v1", api_key=key, max_retries=0, timeout=60)
+    cards = {m.id: m for m in client.models.list().data}
+    assert f"public/{name}" in cards
+    assert chat(client, f"public/{name}") == expected(serve_app, "qwen2", "demo-poet")
