@@ -5,7 +5,7 @@ Revocation, expiry and tenant disabling take effect within `ttl` seconds on ever
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session
@@ -13,7 +13,9 @@ from starlette.concurrency import run_in_threadpool
 
 from app.auth import hash_key, parse_prefix, verify_key
 from app.errors import InvalidApiKey
+from app.limits import Limits
 from billing import repository
+from billing.models import Tenant, Tier
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class Principal:
     tenant_name: str
     tier: str
     key_id: str
+    limits: Limits = field(default_factory=Limits)  # the tier's, with the tenant's overrides
 
 
 class Authenticator:
@@ -57,6 +60,28 @@ class Authenticator:
             if found is None or not verify_key(self._secret, key, found[0].key_hash):
                 raise InvalidApiKey()
             api_key, tenant = found
+            tier = repository.get_tier(session, name=tenant.tier)
             return Principal(
-                tenant_id=tenant.id, tenant_name=tenant.name, tier=tenant.tier, key_id=api_key.id
+                tenant_id=tenant.id,
+                tenant_name=tenant.name,
+                tier=tenant.tier,
+                key_id=api_key.id,
+                limits=limits_for(tier, tenant),
             )
+
+
+def limits_for(tier: Tier, tenant: Tenant) -> Limits:
+    """The tier's limits, each replaced by the tenant's override where one is set."""
+
+    def pick(name: str) -> int | None:
+        override: int | None = getattr(tenant, name)
+        return override if override is not None else getattr(tier, name)
+
+    return Limits(
+        rpm=pick("rpm"),
+        tpm=pick("tpm"),
+        max_concurrent=pick("max_concurrent"),
+        max_tokens_cap=pick("max_tokens_cap"),
+        on_limit="queue" if tier.on_limit == "queue" else "reject",
+        max_queue_ms=tier.max_queue_ms,
+    )

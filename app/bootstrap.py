@@ -5,13 +5,23 @@ from app.adapter_resolver import AdapterResolver
 from app.authenticator import Authenticator
 from app.catalog import BaseModelSpec, ModelCatalog
 from app.engine_client import EngineClient
+from app.limits import LimiterBackend
 from app.services import Services
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
+from deployments.limiter_state import LocalLimiter
 
 
-def build_services(settings: Settings, engine: EngineClient, models: dict[str, BaseModelSpec]) -> Services:
-    """`models`: the served base models by name."""
+def build_services(
+    settings: Settings,
+    engine: EngineClient,
+    models: dict[str, BaseModelSpec],
+    *,
+    limiter: LimiterBackend | None = None,
+    limiter_fail_open: bool = False,
+) -> Services:
+    """`models`: the served base models by name. Without a limiter backend, limits are kept in this
+    process (right for one ingress replica; the Serve deployment passes a cluster-wide one)."""
     session_factory = make_session_factory(make_engine(settings.resolved_database_url()))
     secret = settings.resolved_key_secret()
     return Services(
@@ -23,4 +33,6 @@ def build_services(settings: Settings, engine: EngineClient, models: dict[str, B
         engine=engine,
         adapters=AdapterResolver(session_factory, ttl=settings.adapter_cache_ttl_s),
         store=AdapterStore(settings.resolved_adapter_store()),
+        limiter=limiter or LocalLimiter(),
+        limiter_fail_open=limiter_fail_open,
     )

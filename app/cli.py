@@ -1,9 +1,9 @@
 """`loraplex`: the admin CLI.
 
-Tenants and keys go through the admin HTTP API, so the CLI can manage a remote deployment; `db` migrates
-the billing database directly. Each command group is one `typer.Typer()`; `build_app()` registers them on
-the root. A new group lives in its own module, takes its client and output helpers from app.cli_http, and
-is added to `_groups()`.
+Tiers, tenants and keys go through the admin HTTP API, so the CLI can manage a remote deployment; `db`
+migrates the billing database directly. Each command group is one `typer.Typer()`; `build_app()` registers
+them on the root. A new group lives in its own module, takes its client and output helpers from
+app.cli_http, and is added to `_groups()`.
 """
 
 from collections.abc import Callable
@@ -30,6 +30,17 @@ from app.cli_http import (
     fmt_time,
     stdout,
 )
+from app.cli_tiers import (
+    MaxConcurrentOption,
+    MaxTokensCapOption,
+    RpmOption,
+    TpmOption,
+    limit_names,
+    limit_values,
+    limits_body,
+    tenant_limit_rows,
+    tiers_app,
+)
 
 T = TypeVar("T")
 
@@ -44,7 +55,13 @@ db_app = typer.Typer(
 
 
 def _groups() -> list[tuple[str, typer.Typer]]:
-    return [("tenants", tenants_app), ("keys", keys_app), ("adapters", adapters_app), ("db", db_app)]
+    return [
+        ("tenants", tenants_app),
+        ("keys", keys_app),
+        ("tiers", tiers_app),
+        ("adapters", adapters_app),
+        ("db", db_app),
+    ]
 
 
 def build_app() -> typer.Typer:
@@ -128,11 +145,35 @@ def tenants_update(
     tenant_id: Annotated[str, typer.Argument(metavar="TENANT_ID", help="Tenant ID.")],
     name: Annotated[str | None, typer.Option(help="New unique name.", show_default=False)] = None,
     tier: Annotated[str | None, typer.Option(help="New pricing tier.", show_default=False)] = None,
+    rpm: RpmOption = None,
+    tpm: TpmOption = None,
+    max_concurrent: MaxConcurrentOption = None,
+    max_tokens_cap: MaxTokensCapOption = None,
+    clear_overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--clear-overrides",
+            metavar="LIMITS",
+            help="Drop these overrides (the tier's values apply again): comma-separated, "
+            "rpm, tpm, max_concurrent, max_tokens_cap, or all.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Rename a tenant and/or move it to another tier."""
-    body = {key: value for key, value in (("name", name), ("tier", tier)) if value is not None}
+    """Rename a tenant, move it to another tier, and/or override its tier's limits (within seconds)."""
+    body: JSON = {key: value for key, value in (("name", name), ("tier", tier)) if value is not None}
+    body |= limits_body(
+        limit_values(rpm, tpm, max_concurrent, max_tokens_cap),
+        limit_names(clear_overrides, option="--clear-overrides"),
+        option="--clear-overrides",
+    )
     if not body:
-        fail("nothing to update", code=EXIT_USAGE, hint="give --name and/or --tier")
+        fail(
+            "nothing to update",
+            code=EXIT_USAGE,
+            hint="give --name, --tier, a limit override (--rpm, --tpm, --max-concurrent, --max-tokens-cap) "
+            "or --clear-overrides",
+        )
     tenant = admin_client(ctx).patch(f"/admin/tenants/{_segment(tenant_id)}", body)
     emit(ctx, tenant, lambda t: stdout().print(_tenant_record(t, "Updated tenant")))
 
@@ -182,6 +223,7 @@ def _tenant_record(tenant: JSON, title: str) -> Table:
             ("name", tenant.get("name")),
             ("tier", tenant.get("tier")),
             ("status", tenant.get("status")),
+            *tenant_limit_rows(tenant),
             ("created", fmt_time(tenant.get("created_at"))),
             ("updated", fmt_time(tenant.get("updated_at"))),
             ("disabled", fmt_time(tenant.get("disabled_at"))),

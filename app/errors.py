@@ -12,7 +12,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound
-from billing.errors import ApiKeyNotFound, BillingError, TenantNameTaken, TenantNotFound, TierNotFound
+from billing.errors import (
+    ApiKeyNotFound,
+    BillingError,
+    InvalidLimits,
+    TenantNameTaken,
+    TenantNotFound,
+    TierNotFound,
+)
 from deployments.engine.errors import (
     EngineError,
     EngineOverloaded,
@@ -96,6 +103,8 @@ def to_api_error(error: Exception) -> APIError:
         return APIError(409, str(error), param="name", code="conflict")
     if isinstance(error, TierNotFound):
         return APIError(400, str(error), param="tier", code="tier_not_found")
+    if isinstance(error, InvalidLimits):
+        return APIError(400, str(error), param=error.field, code="invalid_limits")
     if isinstance(error, AdapterError | BillingError | EngineError):
         return APIError(400, str(error))
     log.exception("unhandled error", exc_info=error)

@@ -1,21 +1,24 @@
-"""Generation: one request through the engine, shaped as an OpenAI response or SSE stream.
+"""Generation: one request through the rate limiter and the engine, shaped as an OpenAI response or stream.
 
 The engine is asked for its first output before any HTTP status is sent, so bad input (context too long,
 unknown adapter, overload) still gets a proper 4xx/5xx instead of a 200 stream with an error inside.
-Whatever happens afterwards (completion, client disconnect, engine failure), exactly one RequestRecord
-goes to the observers.
+Whatever happens afterwards (completion, client disconnect, engine failure), the rate-limit lease is
+released with the tokens really used, and exactly one RequestRecord goes to the observers.
 """
 
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.admission import Admission
 from app.authenticator import Principal
 from app.errors import APIError
 from app.observers import RequestRecord, RequestStatus
@@ -78,6 +81,11 @@ def finish_reason(out: RequestOutput) -> str | None:
     return None
 
 
+def generation_failed(out: RequestOutput) -> APIError:
+    message = f"The model failed while generating: {out.error}"
+    return APIError(500, message, type="server_error", code="generation_failed")
+
+
 @dataclass
 class Generation:
     services: Services
@@ -87,8 +95,11 @@ class Generation:
     kind: Kind
     stream: bool
     include_usage: bool
-    started: float  # time.monotonic() at arrival
-    started_at: datetime
+    started: float = field(default_factory=time.monotonic)
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    admission: Admission | None = None
+    prompt_tokens: int = 0
+    streamed_tokens: int = 0  # what the client received, for reconciling an aborted request
     _recorded: bool = False
 
     @classmethod
@@ -102,12 +113,23 @@ class Generation:
         body: SamplingFields,
     ) -> "Generation":
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        now = time.monotonic(), datetime.now(UTC)
-        return cls(services, principal, target, request_id, kind, body.stream, include_usage, *now)
+        return cls(services, principal, target, request_id, kind, body.stream, include_usage)
 
     async def respond(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> JSONResponse | StreamingResponse:
+        self.prompt_tokens = len(prompt_ids)
+        params = self._capped(params)
+        room = self.target.base.max_model_len - len(prompt_ids)
+        self.admission = await Admission.acquire(
+            self.services.limiter,
+            tenant=self.principal.tenant_id,
+            tier=self.principal.tier,
+            request_id=self.request_id,
+            limits=self.principal.limits,
+            reserve=len(prompt_ids) + (params.max_tokens or max(room, 0)),
+            fail_open=self.services.limiter_fail_open,
+        )
         request = EngineRequest(
             request_id=self.request_id,
             prompt_ids=prompt_ids,
@@ -118,37 +140,64 @@ class Generation:
         outputs = self.services.engine.generate(self.target.base.name, request)
         try:
             first = await anext(outputs)  # engine-side validation errors surface here, before any status
-        except PromptTooLong as error:
-            field = "messages" if self.kind == "chat" else "prompt"
-            raise APIError(400, str(error), param=field, code="context_length_exceeded") from None
+        except BaseException as error:
+            await self.admission.release(0)  # nothing was processed
+            if isinstance(error, PromptTooLong):
+                field_name = "messages" if self.kind == "chat" else "prompt"
+                error = APIError(400, str(error), param=field_name, code="context_length_exceeded")
+            if isinstance(error, APIError):
+                error.headers = {**self.admission.headers(), **error.headers}
+            raise error from None
+        headers = self.admission.headers()
         if self.stream:
             return StreamingResponse(
                 self._sse(first, outputs),
                 media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
             )
-        return await self._collect(first, outputs)
+        return await self._collect(first, outputs, headers)
+
+    def _capped(self, params: SamplingParams) -> SamplingParams:
+        """The tier's max_tokens cap: asking for more is an error; asking for nothing means the cap."""
+        cap = self.principal.limits.max_tokens_cap
+        if cap is None:
+            return params
+        if params.max_tokens is not None and params.max_tokens > cap:
+            message = (
+                f"max_tokens {params.max_tokens} exceeds the cap of {cap} for tier {self.principal.tier}"
+            )
+            raise APIError(400, message, param="max_tokens", code="max_tokens_over_cap")
+        if params.max_tokens is None:
+            room = self.target.base.max_model_len - self.prompt_tokens
+            return dataclasses.replace(params, max_tokens=max(1, min(cap, room)))
+        return params
 
     async def _collect(
-        self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
+        self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], headers: dict[str, str]
     ) -> JSONResponse:
         text: list[str] = []
         last = first
         try:
             text.append(first.text)
+            self.streamed_tokens += len(first.token_ids)
             while not last.finished:
                 last = await anext(outputs)
                 text.append(last.text)
+                self.streamed_tokens += len(last.token_ids)
+                assert self.admission is not None
+                await self.admission.renew_if_due()
         except BaseException:
-            await self._finish("aborted", last)
-            await outputs.aclose()
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+                await self._finish("aborted", last)
             raise
         if last.finish_reason is FinishReason.ERROR:
             await self._finish("failed", last)
-            raise generation_failed(last)
+            error = generation_failed(last)
+            error.headers = headers
+            raise error
         await self._finish("completed", last)
-        body = self._final_body("".join(text), last)
-        return JSONResponse(body)
+        return JSONResponse(self._final_body("".join(text), last), headers=headers)
 
     def _final_body(self, text: str, last: RequestOutput) -> dict[str, Any]:
         usage = usage_block(last.usage)
@@ -181,6 +230,7 @@ class Generation:
             out: RequestOutput | None = first
             while out is not None:
                 last = out
+                self.streamed_tokens += len(out.token_ids)
                 if out.finish_reason is FinishReason.ERROR:
                     status = "failed"
                     yield _event(generation_failed(out).body())
@@ -190,15 +240,22 @@ class Generation:
                     yield _event(
                         chunk(ChatDelta(content=out.text) if self.kind == "chat" else out.text, reason)
                     )
-                out = None if out.finished else await anext(outputs)
+                if out.finished:
+                    out = None
+                else:
+                    assert self.admission is not None
+                    await self.admission.renew_if_due()
+                    out = await anext(outputs)
             status = "completed"
             if self.include_usage:
                 yield _event(self._usage_chunk(created, last))
             yield "data: [DONE]\n\n"
         finally:
             # Leaving early (client gone, cancellation) closes the engine stream, which aborts generation.
-            await outputs.aclose()
-            await self._finish(status, last)
+            # Shielded: under cancellation every await would otherwise raise again at once.
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+                await self._finish(status, last)
 
     def _chunk_factory(self, created: int) -> Callable[[Any, str | None], dict[str, Any]]:
         def chunk(delta: Any, reason: str | None) -> dict[str, Any]:
@@ -231,6 +288,14 @@ class Generation:
         if self._recorded:
             return
         self._recorded = True
+        usage = None if last is None else last.usage
+        used = (
+            usage.prompt_tokens + usage.completion_tokens
+            if usage is not None
+            else self.prompt_tokens + self.streamed_tokens  # aborted: what the client got
+        )
+        if self.admission is not None:
+            await self.admission.release(used)
         record = RequestRecord(
             request_id=self.request_id,
             tenant_id=self.principal.tenant_id,
@@ -240,7 +305,7 @@ class Generation:
             adapter=None if self.target.adapter is None else str(self.target.adapter),
             status=status,
             finish_reason=None if last is None or last.finish_reason is None else str(last.finish_reason),
-            usage=None if last is None else last.usage,
+            usage=usage,
             started_at=self.started_at,
             latency_ms=(time.monotonic() - self.started) * 1e3,
             stream=self.stream,
@@ -250,12 +315,6 @@ class Generation:
                 await observer.on_finish(record)
             except Exception:  # an observer must never break a response
                 log.exception("observer %r failed on %s", observer, self.request_id)
-
-
-def generation_failed(out: RequestOutput) -> APIError:
-    return APIError(
-        500, f"The model failed while generating: {out.error}", type="server_error", code="generation_failed"
-    )
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from app.authenticator import Authenticator, Principal
 from app.catalog import BaseModelEntry, ModelCatalog
 from app.engine_client import EngineClient
 from app.errors import ModelNotFound
+from app.limits import LimiterBackend
 from app.observers import RequestObserver
 from app.settings import Settings
 
@@ -35,6 +36,8 @@ class Services:
     engine: EngineClient
     adapters: AdapterResolver
     store: AdapterStore
+    limiter: LimiterBackend
+    limiter_fail_open: bool = False
     observers: list[RequestObserver] = field(default_factory=list)
 
     async def resolve(self, principal: Principal, model: str) -> Target:

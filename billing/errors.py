@@ -35,3 +35,12 @@ class ApiKeyNotFound(BillingError):
     def __init__(self, key_id: str) -> None:
         super().__init__(f"API key {key_id!r} not found")
         self.key_id = key_id
+
+
+class InvalidLimits(BillingError):
+    """A rate-limit setting out of range; `field` names it (as the API and the columns do)."""
+
+    def __init__(self, field: str, value: object, requirement: str) -> None:
+        super().__init__(f"{field} must be {requirement}, got {value!r}")
+        self.field = field
+        self.value = value

@@ -78,12 +78,25 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "max_tokens_cap")  # NULL: unlimited
+
+
 class Tier(Base):
+    """A price point: what it sells as rates (requests and tokens per minute, concurrency, largest request)
+    and what happens over them (reject with 429, or queue for up to max_queue_ms)."""
+
     __tablename__ = "tiers"
+    __table_args__ = (CheckConstraint("on_limit IN ('reject', 'queue')", name="on_limit"),)
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     description: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    max_tokens_cap: Mapped[int | None] = mapped_column(Integer)
+    on_limit: Mapped[str] = mapped_column(String(8), default="reject")
+    max_queue_ms: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Tenant(Base):
@@ -99,6 +112,11 @@ class Tenant(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Per-tenant overrides of the tier's limits; NULL: the tier's value.
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    max_tokens_cap: Mapped[int | None] = mapped_column(Integer)
 
 
 class ApiKey(Base):

@@ -5,23 +5,125 @@ never deleted, since usage history refers to tenants and keys. Uniqueness is che
 the usual conflict is a domain error; two writers racing past the check get the database's IntegrityError.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
+from enum import Enum
+from typing import Final, Literal
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from billing.errors import ApiKeyNotFound, TenantNameTaken, TenantNotFound, TierExists, TierNotFound
-from billing.models import ApiKey, Tenant, TenantStatus, Tier, utcnow
+from billing.errors import (
+    ApiKeyNotFound,
+    InvalidLimits,
+    TenantNameTaken,
+    TenantNotFound,
+    TierExists,
+    TierNotFound,
+)
+from billing.models import LIMIT_FIELDS, ApiKey, Tenant, TenantStatus, Tier, utcnow
+
+
+class _Unset(Enum):
+    """The type of UNSET: an update argument that was not given (None is a value: unlimited)."""
+
+    UNSET = "UNSET"
+
+
+UNSET: Final = _Unset.UNSET
+
+OnLimit = Literal["reject", "queue"]
+ON_LIMIT_VALUES: Final = ("reject", "queue")
+MAX_QUEUE_MS: Final = 60_000
+# The columns' ranges: INTEGER is 32-bit on PostgreSQL, tpm is BIGINT.
+_INT32_MAX: Final = 2**31 - 1
+LIMIT_MAX: Final = {
+    "rpm": _INT32_MAX,
+    "tpm": 2**63 - 1,
+    "max_concurrent": _INT32_MAX,
+    "max_tokens_cap": _INT32_MAX,
+}
+
+
+def check_limit(field: str, value: object) -> int | None:
+    """A limit as stored: a positive integer (within its column's range), or None for unlimited."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= LIMIT_MAX[field]:
+        raise InvalidLimits(field, value, f"a positive integer up to {LIMIT_MAX[field]} or null (unlimited)")
+    return value
+
+
+def check_on_limit(on_limit: object, max_queue_ms: object) -> None:
+    """What happens over a limit: reject (429 at once), or queue for 1..60000 ms first."""
+    if on_limit not in ON_LIMIT_VALUES:
+        raise InvalidLimits("on_limit", on_limit, "'reject' or 'queue'")
+    if (
+        isinstance(max_queue_ms, bool)
+        or not isinstance(max_queue_ms, int)
+        or not 0 <= max_queue_ms <= MAX_QUEUE_MS
+    ):
+        raise InvalidLimits("max_queue_ms", max_queue_ms, f"an integer from 0 to {MAX_QUEUE_MS}")
+    if on_limit == "queue" and max_queue_ms == 0:
+        raise InvalidLimits("max_queue_ms", max_queue_ms, "more than 0 when on_limit is 'queue'")
+
 
 # Tiers
 
 
-def create_tier(s: Session, *, name: str, description: str = "") -> Tier:
+def create_tier(
+    s: Session,
+    *,
+    name: str,
+    description: str = "",
+    rpm: int | None = None,
+    tpm: int | None = None,
+    max_concurrent: int | None = None,
+    max_tokens_cap: int | None = None,
+    on_limit: OnLimit = "reject",
+    max_queue_ms: int = 0,
+) -> Tier:
+    """A new tier; limits default to None (unlimited). Raises TierExists, InvalidLimits."""
+    limits = {
+        field: check_limit(field, value)
+        for field, value in zip(LIMIT_FIELDS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True)
+    }
+    check_on_limit(on_limit, max_queue_ms)
     if s.get(Tier, name) is not None:
         raise TierExists(name)
-    tier = Tier(name=name, description=description)
+    tier = Tier(name=name, description=description, on_limit=on_limit, max_queue_ms=max_queue_ms, **limits)
     s.add(tier)
+    s.flush()
+    return tier
+
+
+def update_tier(
+    s: Session,
+    *,
+    name: str,
+    description: str | _Unset = UNSET,
+    rpm: int | _Unset | None = UNSET,
+    tpm: int | _Unset | None = UNSET,
+    max_concurrent: int | _Unset | None = UNSET,
+    max_tokens_cap: int | _Unset | None = UNSET,
+    on_limit: OnLimit | _Unset = UNSET,
+    max_queue_ms: int | _Unset = UNSET,
+) -> Tier:
+    """Change what is given (UNSET: left as it is; None for a limit: unlimited). All or nothing: the
+    result is checked as a whole (on_limit 'queue' needs max_queue_ms > 0) before anything is written.
+    Raises TierNotFound, InvalidLimits. Tenants on the tier see the change once their cached keys expire."""
+    tier = get_tier(s, name=name)
+    limits = _given(dict(zip(LIMIT_FIELDS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True)))
+    checked = {field: check_limit(field, value) for field, value in limits.items()}
+    new_on_limit = tier.on_limit if isinstance(on_limit, _Unset) else on_limit
+    new_queue_ms = tier.max_queue_ms if isinstance(max_queue_ms, _Unset) else max_queue_ms
+    check_on_limit(new_on_limit, new_queue_ms)
+    if not isinstance(description, _Unset):
+        _assign(tier, "description", description)
+    for field, value in checked.items():
+        _assign(tier, field, value)
+    _assign(tier, "on_limit", new_on_limit)
+    _assign(tier, "max_queue_ms", new_queue_ms)
     s.flush()
     return tier
 
@@ -74,6 +176,37 @@ def update_tenant(s: Session, *, tenant_id: str, name: str | None = None, tier: 
         tenant.tier = get_tier(s, name=tier).name
     s.flush()
     return tenant
+
+
+def update_tenant_limits(
+    s: Session,
+    *,
+    tenant_id: str,
+    rpm: int | _Unset | None = UNSET,
+    tpm: int | _Unset | None = UNSET,
+    max_concurrent: int | _Unset | None = UNSET,
+    max_tokens_cap: int | _Unset | None = UNSET,
+) -> Tenant:
+    """Set the tenant's own limits over its tier's: a positive integer overrides, None clears the override
+    (the tier's value applies again), UNSET leaves it. Raises TenantNotFound, InvalidLimits; nothing is
+    written unless every value is valid."""
+    tenant = get_tenant(s, tenant_id=tenant_id)
+    overrides = _given(dict(zip(LIMIT_FIELDS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True)))
+    checked = {field: check_limit(field, value) for field, value in overrides.items()}
+    for field, value in checked.items():
+        _assign(tenant, field, value)
+    s.flush()
+    return tenant
+
+
+def _given(values: Mapping[str, int | _Unset | None]) -> dict[str, int | None]:
+    return {field: value for field, value in values.items() if not isinstance(value, _Unset)}
+
+
+def _assign(row: Tier | Tenant, field: str, value: object) -> None:
+    """Set only what differs, so that a no-op update leaves updated_at alone."""
+    if getattr(row, field) != value:
+        setattr(row, field, value)
 
 
 def disable_tenant(s: Session, *, tenant_id: str) -> Tenant:

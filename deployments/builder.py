@@ -5,7 +5,7 @@ deployment holding a handle to each.
 """
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -27,9 +27,28 @@ class ModelDeployment(BaseModel):
     max_ongoing_requests: int = Field(default=256, ge=1, description="Streams one replica accepts at once.")
 
 
+class RateLimiterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["ray", "redis"] = Field(
+        default="ray", description="ray: one actor in this cluster (no other service); redis: production."
+    )
+    redis_url: str | None = Field(default=None, description="redis://host:port/db, for backend redis.")
+    fail_open: bool = Field(
+        default=False, description="Admit requests when the limiter is unreachable (default: answer 503)."
+    )
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> "RateLimiterConfig":
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("rate_limiter.backend redis needs rate_limiter.redis_url")
+        return self
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    rate_limiter: RateLimiterConfig = Field(default_factory=RateLimiterConfig)
     models: list[ModelDeployment] = Field(min_length=1, description="Base models, each its own deployment.")
     ingress_replicas: int = Field(default=1, ge=1, description="Ingress (HTTP) replicas.")
     ingress_max_ongoing_requests: int = Field(default=1024, ge=1)
@@ -87,5 +106,5 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=parsed.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )(Ingress)
-    app: Application = ingress.bind(handles, models)
+    app: Application = ingress.bind(handles, models, parsed.rate_limiter.model_dump())
     return app

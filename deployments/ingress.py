@@ -13,14 +13,30 @@ from ray.serve.handle import DeploymentHandle
 
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
+from app.limits import LimiterBackend
 from app.main import create_app
 from app.settings import Settings
+from deployments.limiter_ray import RayLimiter
 from deployments.serve_engine_client import ServeEngineClient
+
+
+def make_limiter(config: dict[str, Any]) -> LimiterBackend:
+    """The cluster-wide limiter every ingress replica shares."""
+    if config.get("backend") == "redis":
+        from deployments.limiter_redis import RedisLimiter
+
+        return RedisLimiter(str(config["redis_url"]))
+    return RayLimiter()
 
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, engines: dict[str, DeploymentHandle[Any]], models: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        engines: dict[str, DeploymentHandle[Any]],
+        models: dict[str, dict[str, Any]],
+        rate_limiter: dict[str, Any] | None = None,
+    ) -> None:
         self.settings = Settings()
         specs = {
             name: BaseModelSpec(
@@ -31,7 +47,14 @@ class Ingress:
             )
             for name, spec in models.items()
         }
-        self.services = build_services(self.settings, ServeEngineClient(engines), specs)
+        limiter_config = rate_limiter or {}
+        self.services = build_services(
+            self.settings,
+            ServeEngineClient(engines),
+            specs,
+            limiter=make_limiter(limiter_config),
+            limiter_fail_open=bool(limiter_config.get("fail_open", False)),
+        )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.services, behind_serve_proxy=True)

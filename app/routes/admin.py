@@ -1,14 +1,18 @@
-"""Admin API: tenants and their keys (Authorization: Bearer LORAPLEX_ADMIN_KEY).
+"""Admin API: pricing tiers, tenants and their keys (Authorization: Bearer LORAPLEX_ADMIN_KEY).
 
 Database work is synchronous SQLAlchemy, so these are plain `def` routes: FastAPI runs them in its
 thread pool and the event loop keeps serving inference.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 from fastapi import APIRouter, status
+from sqlalchemy.orm import Session
 
 from app.auth import generate_key
+from app.authenticator import limits_for
 from app.deps import AdminDep, ServicesDep
 from app.errors import APIError
 from app.routes.guarded import AdminRoute
@@ -21,43 +25,103 @@ from app.schemas.admin import (
     TenantList,
     TenantOut,
     TenantUpdate,
+    TierCreate,
+    TierList,
+    TierOut,
+    TierUpdate,
 )
 from billing import repository
+from billing.errors import TierExists, TierNotFound
+from billing.models import LIMIT_FIELDS, Tenant
 
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
+
+
+# --- tiers -----------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _tier_errors() -> Iterator[None]:
+    """On the tier routes the tier is the resource: unknown is 404 (elsewhere, a bad `tier` field: 400)."""
+    try:
+        yield
+    except TierNotFound as error:
+        raise APIError(404, str(error), code="not_found") from None
+    except TierExists as error:
+        raise APIError(409, str(error), param="name", code="conflict") from None
+
+
+@router.post("/tiers", status_code=status.HTTP_201_CREATED)
+def create_tier(body: TierCreate, _: AdminDep, services: ServicesDep) -> TierOut:
+    with _tier_errors(), services.session_factory() as session, session.begin():
+        return TierOut.model_validate(repository.create_tier(session, **body.model_dump()))
+
+
+@router.get("/tiers")
+def list_tiers(_: AdminDep, services: ServicesDep) -> TierList:
+    with services.session_factory() as session:
+        return TierList(data=[TierOut.model_validate(t) for t in repository.list_tiers(session)])
+
+
+@router.get("/tiers/{name}")
+def get_tier(name: str, _: AdminDep, services: ServicesDep) -> TierOut:
+    with _tier_errors(), services.session_factory() as session:
+        return TierOut.model_validate(repository.get_tier(session, name=name))
+
+
+@router.patch("/tiers/{name}")
+def update_tier(name: str, body: TierUpdate, _: AdminDep, services: ServicesDep) -> TierOut:
+    """Changes the fields given (a limit given as null becomes unlimited); tenants on the tier see the new
+    limits within the auth cache's TTL."""
+    with _tier_errors(), services.session_factory() as session, session.begin():
+        return TierOut.model_validate(repository.update_tier(session, name=name, **body.changes()))
+
+
+# --- tenants ---------------------------------------------------------------------------------------------
+
+
+def _tenant_out(session: Session, tenant: Tenant) -> TenantOut:
+    return TenantOut.of(tenant, limits_for(repository.get_tier(session, name=tenant.tier), tenant))
 
 
 @router.post("/tenants", status_code=status.HTTP_201_CREATED)
 def create_tenant(body: TenantCreate, _: AdminDep, services: ServicesDep) -> TenantOut:
     with services.session_factory() as session, session.begin():
         tenant = repository.create_tenant(session, name=body.name, tier=body.tier)
-        return TenantOut.model_validate(tenant)
+        return _tenant_out(session, tenant)
 
 
 @router.get("/tenants")
 def list_tenants(_: AdminDep, services: ServicesDep) -> TenantList:
     with services.session_factory() as session:
-        return TenantList(data=[TenantOut.model_validate(t) for t in repository.list_tenants(session)])
+        tiers = {tier.name: tier for tier in repository.list_tiers(session)}
+        return TenantList(
+            data=[TenantOut.of(t, limits_for(tiers[t.tier], t)) for t in repository.list_tenants(session)]
+        )
 
 
 @router.get("/tenants/{tenant_id}")
 def get_tenant(tenant_id: str, _: AdminDep, services: ServicesDep) -> TenantOut:
     with services.session_factory() as session:
-        return TenantOut.model_validate(repository.get_tenant(session, tenant_id=tenant_id))
+        return _tenant_out(session, repository.get_tenant(session, tenant_id=tenant_id))
 
 
 @router.patch("/tenants/{tenant_id}")
 def update_tenant(tenant_id: str, body: TenantUpdate, _: AdminDep, services: ServicesDep) -> TenantOut:
+    """Rename, move to another tier, and/or set limit overrides (null clears one). All or nothing; the
+    tenant's requests see new limits within the auth cache's TTL."""
+    overrides = {field: value for field, value in body.changes().items() if field in LIMIT_FIELDS}
     with services.session_factory() as session, session.begin():
-        tenant = repository.update_tenant(session, tenant_id=tenant_id, name=body.name, tier=body.tier)
-        return TenantOut.model_validate(tenant)
+        repository.update_tenant(session, tenant_id=tenant_id, name=body.name, tier=body.tier)
+        tenant = repository.update_tenant_limits(session, tenant_id=tenant_id, **overrides)
+        return _tenant_out(session, tenant)
 
 
 @router.delete("/tenants/{tenant_id}")
 def disable_tenant(tenant_id: str, _: AdminDep, services: ServicesDep) -> TenantOut:
     """Disables the tenant and revokes its keys; its rows and usage history stay."""
     with services.session_factory() as session, session.begin():
-        return TenantOut.model_validate(repository.disable_tenant(session, tenant_id=tenant_id))
+        return _tenant_out(session, repository.disable_tenant(session, tenant_id=tenant_id))
 
 
 @router.post("/tenants/{tenant_id}/keys", status_code=status.HTTP_201_CREATED)

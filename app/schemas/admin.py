@@ -1,13 +1,117 @@
 """Admin API bodies: tenants, tiers and API keys."""
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from app.limits import Limits
+from billing.models import Tenant
+from billing.repository import LIMIT_MAX, MAX_QUEUE_MS
+
+# Limits: positive integers, JSON integers only (no "5", 5.0 or true); null means unlimited.
+Rpm = Annotated[int, Field(strict=True, ge=1, le=LIMIT_MAX["rpm"], description="Requests per minute.")]
+Tpm = Annotated[
+    int, Field(strict=True, ge=1, le=LIMIT_MAX["tpm"], description="Tokens (prompt + completion) per minute.")
+]
+MaxConcurrent = Annotated[
+    int, Field(strict=True, ge=1, le=LIMIT_MAX["max_concurrent"], description="Requests in flight at once.")
+]
+MaxTokensCap = Annotated[
+    int,
+    Field(
+        strict=True, ge=1, le=LIMIT_MAX["max_tokens_cap"], description="Largest max_tokens of one request."
+    ),
+]
+OnLimit = Literal["reject", "queue"]
+QueueMs = Annotated[
+    int,
+    Field(
+        strict=True,
+        ge=0,
+        le=MAX_QUEUE_MS,
+        description="How long a request may wait when on_limit is queue (then > 0).",
+    ),
+]
+TierName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Unique tier name: letters, digits, '.', '_' and '-' (it appears in URLs).",
+    ),
+]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the request gave, with their values (null included): what a PATCH changes."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+
+class LimitsOut(BaseModel):
+    """Limits in force; null: unlimited."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    max_tokens_cap: int | None
+    on_limit: OnLimit
+    max_queue_ms: int
+
+
+# Tiers
+
+
+class TierCreate(_Body):
+    name: TierName
+    description: str = Field(default="", max_length=1000)
+    rpm: Rpm | None = None
+    tpm: Tpm | None = None
+    max_concurrent: MaxConcurrent | None = None
+    max_tokens_cap: MaxTokensCap | None = None
+    on_limit: OnLimit = Field(default="reject", description="Over a limit: 429 at once, or wait first.")
+    max_queue_ms: QueueMs = 0
+
+
+class TierUpdate(_Body):
+    """Only the fields given change; a limit given as null becomes unlimited."""
+
+    description: str = Field(default="", max_length=1000)
+    rpm: Rpm | None = None
+    tpm: Tpm | None = None
+    max_concurrent: MaxConcurrent | None = None
+    max_tokens_cap: MaxTokensCap | None = None
+    on_limit: OnLimit = "reject"
+    max_queue_ms: QueueMs = 0
+
+
+class TierOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    object: Literal["tier"] = "tier"
+    description: str
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    max_tokens_cap: int | None
+    on_limit: OnLimit
+    max_queue_ms: int
+    created_at: datetime
+
+
+class TierList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TierOut]
+
+
+# Tenants
 
 
 class TenantCreate(_Body):
@@ -16,8 +120,15 @@ class TenantCreate(_Body):
 
 
 class TenantUpdate(_Body):
+    """name and tier: null or absent leaves them. Limit overrides: only those given change; null clears one
+    (the tier's value applies again)."""
+
     name: str | None = Field(default=None, min_length=1, max_length=128)
     tier: str | None = Field(default=None, min_length=1, max_length=64)
+    rpm: Rpm | None = None
+    tpm: Tpm | None = None
+    max_concurrent: MaxConcurrent | None = None
+    max_tokens_cap: MaxTokensCap | None = None
 
 
 class TenantOut(BaseModel):
@@ -31,6 +142,19 @@ class TenantOut(BaseModel):
     created_at: datetime
     updated_at: datetime
     disabled_at: datetime | None
+    rpm: int | None = Field(description="The tenant's own rpm over its tier's; null: the tier's applies.")
+    tpm: int | None = Field(description="Override of the tier's tpm; null: none.")
+    max_concurrent: int | None = Field(description="Override of the tier's max_concurrent; null: none.")
+    max_tokens_cap: int | None = Field(description="Override of the tier's max_tokens_cap; null: none.")
+    limits: LimitsOut = Field(description="What applies: the tier's limits with the overrides.")
+
+    @classmethod
+    def of(cls, tenant: Tenant, limits: Limits) -> Self:
+        """From the tenant's row and its effective limits (app.authenticator.limits_for)."""
+        fields = {
+            name: getattr(tenant, name) for name in cls.model_fields if name not in ("object", "limits")
+        }
+        return cls(**fields, limits=LimitsOut.model_validate(limits))
 
 
 class TenantList(BaseModel):

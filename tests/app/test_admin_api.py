@@ -19,7 +19,10 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 KEY_FORMAT = re.compile(r"^sk-lp-([A-Za-z0-9]{12})_([A-Za-z0-9_-]{43})$")
 TENANT_ID = re.compile(r"^ten_[a-z2-7]{20}$")
 KEY_ID = re.compile(r"^key_[a-z2-7]{20}$")
-TENANT_FIELDS = {"id", "object", "name", "tier", "status", "created_at", "updated_at", "disabled_at"}
+TENANT_FIELDS = {
+    *("id", "object", "name", "tier", "status", "created_at", "updated_at", "disabled_at"),
+    *("rpm", "tpm", "max_concurrent", "max_tokens_cap", "limits"),
+}
 KEY_FIELDS = {"id", "object", "tenant_id", "name", "prefix", "created_at", "expires_at", "revoked_at"}
 WAIT_S = 2.0  # ten times the fixture's auth cache TTL
 
@@ -68,7 +71,7 @@ def admin(served: Served) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def pro_tier(served: Served) -> str:
-    """A second tier (there is no admin route for tiers; the migration seeds only `free`)."""
+    """A second tier, made in the database directly."""
     name = unique("pro")
     with served.services.session_factory() as session, session.begin():
         repository.create_tier(session, name=name, description="test tier")

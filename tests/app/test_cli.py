@@ -52,7 +52,7 @@ def test_tenant_lifecycle(cli: Callable[..., Result], served: Served) -> None:
     assert tenant["id"] in got.stdout
     assert "active" in got.stdout
 
-    tier = unique("pro")  # tiers have no admin API yet: seeded in the database
+    tier = unique("pro")  # made in the database directly
     with served.services.session_factory() as session, session.begin():
         repository.create_tier(session, name=tier)
     renamed = unique("cli-renamed")

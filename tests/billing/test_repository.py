@@ -37,13 +37,13 @@ def add_key(
 # Tiers
 
 
-def test_tiers_are_listed_by_name_after_the_seeded_free_tier(s: Session) -> None:
-    assert [t.name for t in repo.list_tiers(s)] == ["free"]
-    pro = repo.create_tier(s, name="pro", description="Paid")
+def test_tiers_are_listed_by_name_after_the_seeded_tiers(s: Session) -> None:
+    assert [t.name for t in repo.list_tiers(s)] == ["enterprise", "free", "pro"]
+    pro = repo.create_tier(s, name="gold", description="Paid")
     repo.create_tier(s, name="basic")
-    assert [t.name for t in repo.list_tiers(s)] == ["basic", "free", "pro"]
+    assert [t.name for t in repo.list_tiers(s)] == ["basic", "enterprise", "free", "gold", "pro"]
     assert repo.get_tier(s, name="basic").description == ""
-    assert repo.get_tier(s, name="pro") is pro
+    assert repo.get_tier(s, name="gold") is pro
     assert pro.created_at.tzinfo is UTC
 
 
@@ -95,35 +95,35 @@ def test_list_tenants_in_creation_order_with_or_without_disabled(s: Session) -> 
 
 
 def test_update_tenant_renames_and_moves_tier(s: Session) -> None:
-    repo.create_tier(s, name="pro")
+    repo.create_tier(s, name="gold")
     tenant = repo.create_tenant(s, name="acme")
     taken = repo.create_tenant(s, name="taken")
     created, first_update = tenant.created_at, tenant.updated_at
 
     assert repo.update_tenant(s, tenant_id=tenant.id) is tenant  # nothing asked, nothing changed
-    repo.update_tenant(s, tenant_id=tenant.id, tier="pro")
-    assert (tenant.name, tenant.tier) == ("acme", "pro")
+    repo.update_tenant(s, tenant_id=tenant.id, tier="gold")
+    assert (tenant.name, tenant.tier) == ("acme", "gold")
     repo.update_tenant(s, tenant_id=tenant.id, name="acme")  # its own name is not "taken"
     repo.update_tenant(s, tenant_id=tenant.id, name="acme-2")
-    assert (tenant.name, tenant.tier) == ("acme-2", "pro")
+    assert (tenant.name, tenant.tier) == ("acme-2", "gold")
     assert tenant.created_at == created
     assert tenant.updated_at > first_update
 
     with pytest.raises(TenantNameTaken, match="'taken'"):
         repo.update_tenant(s, tenant_id=tenant.id, name=taken.name)
-    with pytest.raises(TierNotFound, match="'gold'"):
-        repo.update_tenant(s, tenant_id=tenant.id, tier="gold")
-    assert (tenant.name, tenant.tier) == ("acme-2", "pro")
+    with pytest.raises(TierNotFound, match="'platinum'"):
+        repo.update_tenant(s, tenant_id=tenant.id, tier="platinum")
+    assert (tenant.name, tenant.tier) == ("acme-2", "gold")
 
 
 def test_renaming_a_tier_cascades_to_its_tenants(session_factory: sessionmaker[Session]) -> None:
     with session_scope(session_factory) as s:
-        repo.create_tier(s, name="pro")
-        tenant_id = repo.create_tenant(s, name="acme", tier="pro").id
+        repo.create_tier(s, name="gold")
+        tenant_id = repo.create_tenant(s, name="acme", tier="gold").id
     with session_scope(session_factory) as s:  # ON UPDATE CASCADE: tiers may be renamed later
-        s.execute(text("UPDATE tiers SET name = 'pro-2024' WHERE name = 'pro'"))
+        s.execute(text("UPDATE tiers SET name = 'gold-2024' WHERE name = 'gold'"))
     with session_factory() as s:
-        assert repo.get_tenant(s, tenant_id=tenant_id).tier == "pro-2024"
+        assert repo.get_tenant(s, tenant_id=tenant_id).tier == "gold-2024"
 
 
 def test_disable_tenant_revokes_its_keys_and_is_idempotent(s: Session) -> None:

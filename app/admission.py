@@ -1,0 +1,134 @@
+"""Admission: one request's passage through the tenant's rate limits, from admit to release.
+
+Reject tiers get a 429 at once; queue tiers wait (in arrival order) up to max_queue_ms, then 429. The
+token reservation is prompt + max_tokens (or the tier's cap), and on release it is replaced by what the
+request really used, so a tenant who asked for 1000 tokens and used 10 gets 990 back at once.
+"""
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import anyio
+
+from app.errors import APIError
+from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
+
+log = logging.getLogger(__name__)
+RENEW_EVERY_S = 30.0  # leases last minutes; a long stream renews well before they lapse
+QUEUE_POLL_S = 0.025
+
+_MESSAGES = {
+    "requests": "requests per minute (RPM): limit {limit}",
+    "tokens": "tokens per minute (TPM): limit {limit}",
+    "concurrency": "concurrent requests: limit {limit}",
+}
+
+
+class RateLimited(APIError):
+    def __init__(self, decision: Decision, limits: Limits, tier: str, *, queued_ms: int = 0) -> None:
+        reason = decision.reason or "requests"
+        limit = {"requests": limits.rpm, "tokens": limits.tpm, "concurrency": limits.max_concurrent}.get(
+            reason
+        )
+        what = _MESSAGES.get(reason, "rate limit").format(limit=limit)
+        waited = f" after waiting {queued_ms} ms in the queue" if queued_ms else ""
+        retry_s = decision.retry_after_ms / 1000
+        headers = {
+            **decision.headers(),
+            "retry-after": str(max(1, math.ceil(retry_s))),
+            "retry-after-ms": str(decision.retry_after_ms),
+        }
+        message = f"Rate limit reached for {what} on tier {tier}{waited}. Please try again in {retry_s:g}s."
+        super().__init__(429, message, code="rate_limit_exceeded", headers=headers)
+
+
+class RequestTooLarge(APIError):
+    def __init__(self, reserve: int, limits: Limits, tier: str) -> None:
+        message = (
+            f"Request too large: it may use {reserve} tokens (prompt + max_tokens), more than the "
+            f"{limits.tpm} tokens per minute of tier {tier}. Lower max_tokens or shorten the prompt."
+        )
+        # Retrying cannot help: tell the OpenAI SDK not to.
+        super().__init__(429, message, code="request_too_large", headers={"x-should-retry": "false"})
+
+
+@dataclass
+class Admission:
+    backend: LimiterBackend | None  # None: nothing to release (unlimited, or the limiter was down, fail-open)
+    tenant: str
+    request_id: str
+    limits: Limits
+    decision: Decision | None
+    _renewed_at: float = field(default_factory=time.monotonic)
+    _released: bool = False
+
+    @classmethod
+    async def acquire(
+        cls,
+        backend: LimiterBackend,
+        *,
+        tenant: str,
+        tier: str,
+        request_id: str,
+        limits: Limits,
+        reserve: int,
+        fail_open: bool,
+    ) -> "Admission":
+        if limits.unlimited:
+            return cls(None, tenant, request_id, limits, None)
+        queued = limits.on_limit == "queue" and limits.max_queue_ms > 0
+        start = time.monotonic()
+        deadline = start + limits.max_queue_ms / 1000
+        try:
+            while True:
+                decision = await backend.admit(tenant, request_id, limits, reserve, queued=queued)
+                if decision.admitted:
+                    return cls(backend, tenant, request_id, limits, decision)
+                if decision.reason == "too_large":
+                    raise RequestTooLarge(reserve, limits, tier)
+                now = time.monotonic()
+                if not queued or now >= deadline:
+                    waited = int((now - start) * 1000) if queued else 0
+                    raise RateLimited(decision, limits, tier, queued_ms=waited)
+                await asyncio.sleep(min(decision.retry_after_ms / 1000, QUEUE_POLL_S, deadline - now))
+        except LimiterUnavailable as error:
+            # A call that timed out may still have admitted us over there: give any lease back.
+            with anyio.CancelScope(shield=True):
+                await _quietly(backend.release(tenant, request_id, 0))
+            if fail_open:
+                log.warning("rate limiter unavailable, admitting (fail-open): %s", error)
+                return cls(None, tenant, request_id, limits, None)
+            raise APIError(503, "Rate limiting is unavailable right now; please retry shortly.",
+                           type="server_error", code="rate_limiter_unavailable",
+                           headers={"retry-after": "1"}) from error  # fmt: skip
+        finally:
+            if queued:  # leaving (admitted, refused, cancelled): never keep a place in the queue
+                with anyio.CancelScope(shield=True):
+                    await _quietly(backend.leave_queue(tenant, request_id))
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.decision is None else self.decision.headers()
+
+    async def renew_if_due(self) -> None:
+        if self.backend is not None and time.monotonic() - self._renewed_at > RENEW_EVERY_S:
+            self._renewed_at = time.monotonic()
+            await _quietly(self.backend.renew(self.tenant, self.request_id, self.limits))
+
+    async def release(self, used_tokens: int) -> None:
+        """Free the concurrency lease and reconcile the tokens. Shielded: it runs on cancellation too."""
+        if self.backend is None or self._released:
+            return
+        self._released = True
+        with anyio.CancelScope(shield=True):
+            await _quietly(self.backend.release(self.tenant, self.request_id, used_tokens))
+
+
+async def _quietly(call: "asyncio.Future[None] | object") -> None:
+    """Release-side calls must not turn a finished request into an error; the lease expires anyway."""
+    try:
+        await call  # type: ignore[misc]
+    except Exception as error:
+        log.warning("rate limiter release-side call failed (the lease will expire): %s", error)

@@ -1,0 +1,160 @@
+"""LimiterState: the rate-limit algorithm on in-memory state. The in-cluster Ray actor holds one of these;
+the Redis backend runs the same steps in a Lua script (deployments/limiter_redis.py), and one test suite
+holds both to the same behaviour.
+
+Per tenant: a sliding-window log of admitted requests, a sliding window of token reservations (reconciled
+at release), concurrency leases with expiry, and a FIFO queue of waiters that refresh their place by
+polling (a waiter that stops polling drops out).
+"""
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from app.limits import WINDOW_MS, Decision, LimiterBackend, Limits, Reason
+
+QUEUE_STALE_MS = 2_000  # a waiter that has not polled for this long has given up
+CONCURRENCY_RETRY_MS = 250  # nobody knows when a running request ends: poll again soon
+
+
+@dataclass
+class _Tenant:
+    requests: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> admission (ms), oldest first
+    tokens: OrderedDict[str, tuple[int, int]] = field(default_factory=OrderedDict)  # id -> (time, tokens)
+    token_total: int = 0
+    leases: dict[str, int] = field(default_factory=dict)  # id -> expiry (ms)
+    queue: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> last poll (ms), arrival order
+
+
+class LimiterState:
+    def __init__(self) -> None:
+        self._tenants: dict[str, _Tenant] = {}
+
+    @staticmethod
+    def now_ms() -> int:
+        return time.monotonic_ns() // 1_000_000
+
+    def admit(
+        self,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        reserve: int,
+        *,
+        queued: bool,
+        now: int | None = None,
+    ) -> Decision:
+        now = self.now_ms() if now is None else now
+        t = self._tenants.setdefault(tenant, _Tenant())
+        self._expire(t, now)
+        if limits.tpm is not None and reserve > limits.tpm:
+            return self._decision(t, limits, now, admitted=False, reason="too_large", retry_after=0)
+        if queued:
+            t.queue.setdefault(request_id, now)
+            t.queue[request_id] = now
+            if next(iter(t.queue)) != request_id:  # FIFO: only the oldest waiter may go
+                return self._decision(t, limits, now, admitted=False, reason="queued", retry_after=50)
+        if limits.rpm is not None and len(t.requests) >= limits.rpm:
+            wait = next(iter(t.requests.values())) + WINDOW_MS - now if t.requests else WINDOW_MS
+            return self._decision(t, limits, now, admitted=False, reason="requests", retry_after=wait)
+        if limits.tpm is not None and t.token_total + reserve > limits.tpm:
+            wait = self._token_wait(t, limits.tpm - reserve, now)
+            return self._decision(t, limits, now, admitted=False, reason="tokens", retry_after=wait)
+        if limits.max_concurrent is not None and len(t.leases) >= limits.max_concurrent:
+            return self._decision(
+                t, limits, now, admitted=False, reason="concurrency", retry_after=CONCURRENCY_RETRY_MS
+            )
+        t.queue.pop(request_id, None)
+        t.requests.pop(request_id, None)  # an id admitted again (a retried call) counts once, at its new time
+        t.requests[request_id] = now
+        previous = t.tokens.pop(request_id, None)
+        if previous is not None:
+            t.token_total -= previous[1]
+        t.tokens[request_id] = (now, reserve)
+        t.token_total += reserve
+        t.leases[request_id] = now + limits.lease_ttl_ms
+        return self._decision(t, limits, now, admitted=True, reason=None, retry_after=0)
+
+    def release(self, tenant: str, request_id: str, used: int) -> None:
+        t = self._tenants.get(tenant)
+        if t is None:
+            return
+        t.leases.pop(request_id, None)
+        entry = t.tokens.get(request_id)
+        if entry is not None:  # still in the window: the minute's total reflects what was really used
+            t.tokens[request_id] = (entry[0], used)
+            t.token_total += used - entry[1]
+
+    def renew(self, tenant: str, request_id: str, ttl_ms: int, now: int | None = None) -> None:
+        t = self._tenants.get(tenant)
+        if t is not None and request_id in t.leases:
+            t.leases[request_id] = (self.now_ms() if now is None else now) + ttl_ms
+
+    def leave_queue(self, tenant: str, request_id: str) -> None:
+        t = self._tenants.get(tenant)
+        if t is not None:
+            t.queue.pop(request_id, None)
+
+    def _expire(self, t: _Tenant, now: int) -> None:
+        horizon = now - WINDOW_MS
+        while t.requests and next(iter(t.requests.values())) <= horizon:
+            t.requests.popitem(last=False)
+        while t.tokens:
+            first_id, (when, tokens) = next(iter(t.tokens.items()))
+            if when > horizon:
+                break
+            del t.tokens[first_id]
+            t.token_total -= tokens
+        for lease_id in [i for i, expiry in t.leases.items() if expiry <= now]:
+            del t.leases[lease_id]
+        for waiter in [i for i, seen in t.queue.items() if seen <= now - QUEUE_STALE_MS]:
+            del t.queue[waiter]
+
+    @staticmethod
+    def _token_wait(t: _Tenant, allowed_total: int, now: int) -> int:
+        """Time until enough reservations leave the window for the total to drop to allowed_total."""
+        total = t.token_total
+        for when, tokens in t.tokens.values():  # oldest first: they leave the window first
+            total -= tokens
+            if total <= allowed_total:
+                return max(1, when + WINDOW_MS - now)
+        return WINDOW_MS
+
+    @staticmethod
+    def _decision(
+        t: _Tenant, limits: Limits, now: int, *, admitted: bool, reason: Reason | None, retry_after: int
+    ) -> Decision:
+        reset_requests = next(reversed(t.requests.values())) + WINDOW_MS - now if t.requests else 0
+        reset_tokens = next(reversed(t.tokens.values()))[0] + WINDOW_MS - now if t.tokens else 0
+        return Decision(
+            admitted=admitted,
+            reason=reason,
+            retry_after_ms=max(0, retry_after),
+            limit_requests=limits.rpm,
+            remaining_requests=None if limits.rpm is None else limits.rpm - len(t.requests),
+            reset_requests_ms=max(0, reset_requests),
+            limit_tokens=limits.tpm,
+            remaining_tokens=None if limits.tpm is None else limits.tpm - t.token_total,
+            reset_tokens_ms=max(0, reset_tokens),
+        )
+
+
+class LocalLimiter(LimiterBackend):
+    """LimiterState in this process: correct for one ingress replica (tests, single-process tools)."""
+
+    def __init__(self) -> None:
+        self.state = LimiterState()
+
+    async def admit(
+        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, queued: bool
+    ) -> Decision:
+        return self.state.admit(tenant, request_id, limits, reserve_tokens, queued=queued)
+
+    async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
+        self.state.release(tenant, request_id, used_tokens)
+
+    async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
+        self.state.renew(tenant, request_id, limits.lease_ttl_ms)
+
+    async def leave_queue(self, tenant: str, request_id: str) -> None:
+        self.state.leave_queue(tenant, request_id)
