@@ -6,8 +6,12 @@ from app.authenticator import Authenticator
 from app.catalog import BaseModelSpec, ModelCatalog
 from app.engine_client import EngineClient
 from app.limits import LimiterBackend
+from app.metering_observer import MeteringObserver
+from app.metering_sink import DatabaseSink
+from app.outbox import Outbox
 from app.services import Services
 from app.settings import Settings
+from app.usage_delivery import MeteringSink, UsageDelivery
 from billing.db import make_engine, make_session_factory
 from deployments.limiter_state import LocalLimiter
 
@@ -19,11 +23,15 @@ def build_services(
     *,
     limiter: LimiterBackend | None = None,
     limiter_fail_open: bool = False,
+    metering: MeteringSink | None = None,
 ) -> Services:
     """`models`: the served base models by name. Without a limiter backend, limits are kept in this
-    process (right for one ingress replica; the Serve deployment passes a cluster-wide one)."""
+    process (right for one ingress replica; the Serve deployment passes a cluster-wide one). Without a
+    metering sink, usage goes from the outbox straight into the database."""
     session_factory = make_session_factory(make_engine(settings.resolved_database_url()))
     secret = settings.resolved_key_secret()
+    outbox = Outbox(settings.data_dir / "outbox.sqlite")
+    delivery = UsageDelivery(outbox, metering or DatabaseSink(session_factory))
     return Services(
         settings=settings,
         key_secret=secret,
@@ -35,4 +43,6 @@ def build_services(
         store=AdapterStore(settings.resolved_adapter_store()),
         limiter=limiter or LocalLimiter(),
         limiter_fail_open=limiter_fail_open,
+        delivery=delivery,
+        observers=[MeteringObserver(outbox, delivery)],
     )

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from app import cli_run
 from app.cli_adapters import adapters_app
+from app.cli_billing import billing_app
 from app.cli_http import (
     DEFAULT_URL,
     EXIT_USAGE,
@@ -41,6 +42,7 @@ from app.cli_tiers import (
     tenant_limit_rows,
     tiers_app,
 )
+from app.cli_usage import usage_app
 
 T = TypeVar("T")
 
@@ -60,6 +62,8 @@ def _groups() -> list[tuple[str, typer.Typer]]:
         ("keys", keys_app),
         ("tiers", tiers_app),
         ("adapters", adapters_app),
+        ("usage", usage_app),
+        ("billing", billing_app),
         ("db", db_app),
     ]
 
@@ -145,6 +149,18 @@ def tenants_update(
     tenant_id: Annotated[str, typer.Argument(metavar="TENANT_ID", help="Tenant ID.")],
     name: Annotated[str | None, typer.Option(help="New unique name.", show_default=False)] = None,
     tier: Annotated[str | None, typer.Option(help="New pricing tier.", show_default=False)] = None,
+    stripe_customer: Annotated[
+        str | None,
+        typer.Option(
+            "--stripe-customer",
+            metavar="CUS_ID",
+            help="The Stripe customer its usage is billed to (cus_...).",
+            show_default=False,
+        ),
+    ] = None,
+    clear_stripe_customer: Annotated[
+        bool, typer.Option("--clear-stripe-customer", help="Bill its usage to no Stripe customer.")
+    ] = False,
     rpm: RpmOption = None,
     tpm: TpmOption = None,
     max_concurrent: MaxConcurrentOption = None,
@@ -160,8 +176,13 @@ def tenants_update(
         ),
     ] = None,
 ) -> None:
-    """Rename a tenant, move it to another tier, and/or override its tier's limits (within seconds)."""
+    """Rename a tenant, move it to another tier, set its Stripe customer, and/or override its tier's limits
+    (within seconds)."""
     body: JSON = {key: value for key, value in (("name", name), ("tier", tier)) if value is not None}
+    if stripe_customer is not None and clear_stripe_customer:
+        fail("--stripe-customer and --clear-stripe-customer contradict each other", code=EXIT_USAGE)
+    if stripe_customer is not None or clear_stripe_customer:
+        body["stripe_customer_id"] = stripe_customer  # None (JSON null) clears it
     body |= limits_body(
         limit_values(rpm, tpm, max_concurrent, max_tokens_cap),
         limit_names(clear_overrides, option="--clear-overrides"),
@@ -171,8 +192,8 @@ def tenants_update(
         fail(
             "nothing to update",
             code=EXIT_USAGE,
-            hint="give --name, --tier, a limit override (--rpm, --tpm, --max-concurrent, --max-tokens-cap) "
-            "or --clear-overrides",
+            hint="give --name, --tier, --stripe-customer, --clear-stripe-customer, a limit override (--rpm, "
+            "--tpm, --max-concurrent, --max-tokens-cap) or --clear-overrides",
         )
     tenant = admin_client(ctx).patch(f"/admin/tenants/{_segment(tenant_id)}", body)
     emit(ctx, tenant, lambda t: stdout().print(_tenant_record(t, "Updated tenant")))
@@ -223,6 +244,7 @@ def _tenant_record(tenant: JSON, title: str) -> Table:
             ("name", tenant.get("name")),
             ("tier", tenant.get("tier")),
             ("status", tenant.get("status")),
+            ("stripe customer", tenant.get("stripe_customer_id")),
             *tenant_limit_rows(tenant),
             ("created", fmt_time(tenant.get("created_at"))),
             ("updated", fmt_time(tenant.get("updated_at"))),

@@ -1,10 +1,12 @@
-"""`loraplex tiers`: pricing tiers and the rate limits they sell; and the limit options that
+"""`loraplex tiers`: pricing tiers, the rate limits they sell and their prices; and the limit options that
 `loraplex tenants update` shares with them (a tenant's overrides of its tier's limits).
 
 A limit left unset is unlimited. `--unlimited rpm,tpm` (tiers) and `--clear-overrides rpm,tpm` (tenants)
-send those limits as JSON null; everything goes through the admin API (app.cli_http).
+send those limits as JSON null; everything goes through the admin API (app.cli_http). Prices are sent as
+decimal strings, exactly as typed (never through a float).
 """
 
+from decimal import Decimal, InvalidOperation
 from enum import StrEnum
 from typing import Annotated
 from urllib.parse import quote
@@ -17,7 +19,7 @@ from rich.text import Text
 from app.cli_http import EXIT_USAGE, JSON, admin_client, emit, fail, fmt_time, stdout
 
 tiers_app = typer.Typer(
-    help="Pricing tiers: the rate limits each sells (rpm, tpm, concurrency, max_tokens cap).",
+    help="Pricing tiers: the rate limits each sells (rpm, tpm, concurrency, max_tokens cap) and its prices.",
     no_args_is_help=True,
 )
 
@@ -53,6 +55,87 @@ MaxTokensCapOption = Annotated[
         "--max-tokens-cap", min=1, metavar="N", help="Largest max_tokens of one request.", show_default=False
     ),
 ]
+
+
+# Prices: option -> API field (billing.models.Tier's columns).
+PRICES = {
+    "--price-input": "price_input_per_mtok",
+    "--price-cached-input": "price_cached_input_per_mtok",
+    "--price-output": "price_output_per_mtok",
+    "--price-gpu-second": "price_gpu_per_second",
+}
+PRICE_DECIMALS = 6  # as billing.repository.PRICE_DECIMALS
+
+PriceInputOption = Annotated[
+    str | None,
+    typer.Option(
+        "--price-input",
+        metavar="PRICE",
+        help="Price per million input tokens, e.g. 0.15.",
+        show_default=False,
+    ),
+]
+PriceCachedInputOption = Annotated[
+    str | None,
+    typer.Option(
+        "--price-cached-input",
+        metavar="PRICE",
+        help="Price per million cached input tokens (prefix-cache hits).",
+        show_default=False,
+    ),
+]
+PriceOutputOption = Annotated[
+    str | None,
+    typer.Option(
+        "--price-output", metavar="PRICE", help="Price per million output tokens.", show_default=False
+    ),
+]
+PriceGpuSecondOption = Annotated[
+    str | None,
+    typer.Option("--price-gpu-second", metavar="PRICE", help="Price per GPU-second.", show_default=False),
+]
+CurrencyOption = Annotated[
+    str | None,
+    typer.Option("--currency", metavar="CODE", help="ISO 4217 currency code, e.g. usd.", show_default=False),
+]
+
+
+def price_values(
+    price_input: str | None,
+    price_cached_input: str | None,
+    price_output: str | None,
+    price_gpu_second: str | None,
+    currency: str | None,
+) -> JSON:
+    """The price options that were given, by API field name, as decimal strings; exits 2 on a value that
+    is not a non-negative decimal with at most 6 decimals."""
+    given = zip(
+        PRICES.items(), (price_input, price_cached_input, price_output, price_gpu_second), strict=True
+    )
+    body: JSON = {}
+    for (flag, field), value in given:
+        if value is not None:
+            body[field] = _price(flag, value)
+    if currency is not None:
+        body["currency"] = currency
+    return body
+
+
+def _price(flag: str, value: str) -> str:
+    try:
+        price = Decimal(value.strip())
+        valid = (
+            price.is_finite() and price >= 0 and price == price.quantize(Decimal(1).scaleb(-PRICE_DECIMALS))
+        )
+    except InvalidOperation:  # not a number, or too large to quantize
+        valid = False
+    if not valid:
+        fail(
+            f"{flag}: {value!r} is not a price",
+            code=EXIT_USAGE,
+            hint=f"give a non-negative decimal with at most {PRICE_DECIMALS} decimals, e.g. 0.15",
+        )
+    return format(price, "f")
 
 
 def limit_values(
@@ -155,14 +238,20 @@ def tiers_create(
         ),
     ] = 0,
     description: Annotated[str, typer.Option("--description", help="What the tier is for.")] = "",
+    price_input: PriceInputOption = None,
+    price_cached_input: PriceCachedInputOption = None,
+    price_output: PriceOutputOption = None,
+    price_gpu_second: PriceGpuSecondOption = None,
+    currency: CurrencyOption = None,
 ) -> None:
-    """Create a tier; a limit not given is unlimited."""
+    """Create a tier; a limit not given is unlimited, a price not given is 0 (currency: usd)."""
     body: JSON = {
         "name": name,
         "description": description,
         **limit_values(rpm, tpm, max_concurrent, max_tokens_cap),
         "on_limit": on_limit.value,
         "max_queue_ms": max_queue_ms,
+        **price_values(price_input, price_cached_input, price_output, price_gpu_second, currency),
     }
     tier = admin_client(ctx).post("/admin/tiers", body)
     emit(ctx, tier, lambda t: stdout().print(_tier_record(t, "Created tier")))
@@ -205,8 +294,14 @@ def tiers_update(
     description: Annotated[
         str | None, typer.Option("--description", help="What the tier is for.", show_default=False)
     ] = None,
+    price_input: PriceInputOption = None,
+    price_cached_input: PriceCachedInputOption = None,
+    price_output: PriceOutputOption = None,
+    price_gpu_second: PriceGpuSecondOption = None,
+    currency: CurrencyOption = None,
 ) -> None:
-    """Change a tier's limits (only those given); its tenants get them within seconds."""
+    """Change a tier's limits and prices (only those given); its tenants get new limits within seconds.
+    New prices apply to every bill computed afterwards, past periods included."""
     body = limits_body(
         limit_values(rpm, tpm, max_concurrent, max_tokens_cap),
         limit_names(unlimited, option="--unlimited"),
@@ -214,12 +309,14 @@ def tiers_update(
     )
     others = (("on_limit", on_limit.value if on_limit else None), ("max_queue_ms", max_queue_ms))
     body |= {key: value for key, value in (*others, ("description", description)) if value is not None}
+    body |= price_values(price_input, price_cached_input, price_output, price_gpu_second, currency)
     if not body:
         fail(
             "nothing to update",
             code=EXIT_USAGE,
             hint="give a limit (--rpm, --tpm, --max-concurrent, --max-tokens-cap), --unlimited, "
-            "--on-limit, --max-queue-ms or --description",
+            "--on-limit, --max-queue-ms, --description, a price (--price-input, --price-cached-input, "
+            "--price-output, --price-gpu-second) or --currency",
         )
     tier = admin_client(ctx).patch(_path(name), body)
     emit(ctx, tier, lambda t: stdout().print(_tier_record(t, "Updated tier")))
@@ -237,11 +334,22 @@ def _tier_record(tier: JSON, title: str) -> Table:
         ("description", tier.get("description")),
         *((name, fmt_limit(tier.get(name))) for name in LIMITS),
         ("on_limit", fmt_on_limit(tier)),
+        *_price_rows(tier),
         ("created", fmt_time(tier.get("created_at"))),
     ]
     for field, value in rows:
         table.add_row(field, _cell(value))
     return table
+
+
+def _price_rows(tier: JSON) -> list[tuple[str, object]]:
+    currency = str(tier.get("currency") or "").upper()
+    return [
+        ("input", f"{tier.get('price_input_per_mtok')} {currency} / 1M tokens"),
+        ("cached input", f"{tier.get('price_cached_input_per_mtok')} {currency} / 1M tokens"),
+        ("output", f"{tier.get('price_output_per_mtok')} {currency} / 1M tokens"),
+        ("gpu", f"{tier.get('price_gpu_per_second')} {currency} / GPU-second"),
+    ]
 
 
 def _print_tiers(listing: JSON) -> None:

@@ -302,7 +302,7 @@ class Generation:
             key_id=self.principal.key_id,
             model=self.target.name,
             base_model=self.target.base.name,
-            adapter=None if self.target.adapter is None else str(self.target.adapter),
+            adapter=self.target.adapter,
             status=status,
             finish_reason=None if last is None or last.finish_reason is None else str(last.finish_reason),
             usage=usage,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol
 
+from adapters.ref import AdapterRef
 from deployments.engine.outputs import RequestUsage
 
 RequestStatus = Literal["completed", "aborted", "failed"]
@@ -20,7 +21,7 @@ class RequestRecord:
     key_id: str
     model: str  # as the client named it
     base_model: str
-    adapter: str | None  # "adapter_id@vN", None for the base model
+    adapter: AdapterRef | None  # the version it ran on; None for the base model
     status: RequestStatus
     finish_reason: str | None
     usage: RequestUsage | None  # what the engine measured; None if it never answered

@@ -15,6 +15,7 @@ from app.errors import ModelNotFound
 from app.limits import LimiterBackend
 from app.observers import RequestObserver
 from app.settings import Settings
+from app.usage_delivery import UsageDelivery
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Services:
     adapters: AdapterResolver
     store: AdapterStore
     limiter: LimiterBackend
+    delivery: UsageDelivery
     limiter_fail_open: bool = False
     observers: list[RequestObserver] = field(default_factory=list)
 

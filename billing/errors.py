@@ -44,3 +44,11 @@ class InvalidLimits(BillingError):
         super().__init__(f"{field} must be {requirement}, got {value!r}")
         self.field = field
         self.value = value
+
+
+class InvalidPrice(InvalidLimits):
+    """A tier's price or currency out of range; `field` names it (a 400 naming the field, like limits)."""
+
+
+class InvalidStripeCustomer(InvalidLimits):
+    """A Stripe customer id that is not `cus_...`; `field` is "stripe_customer_id"."""

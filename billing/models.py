@@ -6,6 +6,7 @@ with Alembic's autogenerate so they cannot drift.
 
 import secrets
 from datetime import UTC, datetime
+from decimal import Decimal
 from enum import StrEnum
 
 from sqlalchemy import (
@@ -15,12 +16,15 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     Dialect,
+    Double,
     ForeignKey,
     Index,
     Integer,
     MetaData,
+    Numeric,
     String,
     Text,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -97,6 +101,12 @@ class Tier(Base):
     max_tokens_cap: Mapped[int | None] = mapped_column(Integer)
     on_limit: Mapped[str] = mapped_column(String(8), default="reject")
     max_queue_ms: Mapped[int] = mapped_column(Integer, default=0)
+    # Prices (in `currency`): per million input / cached input / output tokens, and per GPU-second.
+    price_input_per_mtok: Mapped[Decimal] = mapped_column(Numeric(18, 6), default=Decimal(0))
+    price_cached_input_per_mtok: Mapped[Decimal] = mapped_column(Numeric(18, 6), default=Decimal(0))
+    price_output_per_mtok: Mapped[Decimal] = mapped_column(Numeric(18, 6), default=Decimal(0))
+    price_gpu_per_second: Mapped[Decimal] = mapped_column(Numeric(18, 6), default=Decimal(0))
+    currency: Mapped[str] = mapped_column(String(3), default="usd")
 
 
 class Tenant(Base):
@@ -117,6 +127,7 @@ class Tenant(Base):
     tpm: Mapped[int | None] = mapped_column(BigInteger)
     max_concurrent: Mapped[int | None] = mapped_column(Integer)
     max_tokens_cap: Mapped[int | None] = mapped_column(Integer)
+    stripe_customer_id: Mapped[str | None] = mapped_column(String(64))  # where its usage is billed
 
 
 class ApiKey(Base):
@@ -178,3 +189,93 @@ class AdapterVersion(Base):
     sha256: Mapped[str] = mapped_column(String(64))  # of adapter_model.safetensors
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class UsageEvent(Base):
+    """One request that reached an engine, as metered: written once (insert-or-ignore on request_id)."""
+
+    __tablename__ = "usage_events"
+    __table_args__ = (
+        CheckConstraint("status IN ('completed', 'aborted', 'failed')", name="status"),
+        Index("ix_usage_events_tenant_started", "tenant_id", "started_at"),
+    )
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_id: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(200))  # as the client named it
+    base_model: Mapped[str] = mapped_column(String(128))
+    adapter_id: Mapped[str | None] = mapped_column(String(32))
+    adapter_version: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)  # part of prompt_tokens, as in OpenAI's usage
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    gpu_ms: Mapped[float] = mapped_column(Double)
+    queue_ms: Mapped[float] = mapped_column(Double)
+    ttft_ms: Mapped[float | None] = mapped_column(Double)
+    latency_ms: Mapped[float] = mapped_column(Double)
+    replica: Mapped[str | None] = mapped_column(String(128))  # the engine replica that served it
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class UsageRollup(Base):
+    """A tenant's usage of one adapter (or the base model) during one UTC hour. The id is derived from
+    that key, so recomputing an hour updates the same row and Stripe identifiers stay stable."""
+
+    __tablename__ = "usage_rollups"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "adapter_key", "base_model", "hour", name="uq_usage_rollups_key"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32), index=True)
+    adapter_key: Mapped[str] = mapped_column(String(64))  # an adapter id, or "base"
+    base_model: Mapped[str] = mapped_column(String(128))
+    hour: Mapped[datetime] = mapped_column(UTCDateTime)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    gpu_ms: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class StripeExport(Base):
+    """One meter event sent (or to send) to Stripe: the increase of one rollup's meter since the last
+    export. `identifier` is deterministic (rollup, meter, revision), so a replay is deduplicated by Stripe."""
+
+    __tablename__ = "stripe_exports"
+    __table_args__ = (
+        CheckConstraint("status IN ('pending', 'sent', 'failed', 'skipped')", name="status"),
+        Index("ix_stripe_exports_rollup_meter", "rollup_id", "meter"),
+    )
+
+    identifier: Mapped[str] = mapped_column(String(128), primary_key=True)
+    rollup_id: Mapped[str] = mapped_column(String(32), ForeignKey("usage_rollups.id"))
+    meter: Mapped[str] = mapped_column(String(64))  # the Stripe meter's event_name
+    revision: Mapped[int] = mapped_column(Integer)
+    value: Mapped[int] = mapped_column(BigInteger)
+    customer: Mapped[str] = mapped_column(String(64))
+    timestamp: Mapped[datetime] = mapped_column(UTCDateTime)  # the event time sent to Stripe
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class EngineReport(Base):
+    """An engine replica's cumulative busy and wall time, for utilisation."""
+
+    __tablename__ = "engine_reports"
+
+    replica: Mapped[str] = mapped_column(String(128), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(128))
+    busy_ms: Mapped[float] = mapped_column(Double)
+    wall_ms: Mapped[float] = mapped_column(Double)
+    steps: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

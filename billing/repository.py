@@ -5,8 +5,10 @@ never deleted, since usage history refers to tenants and keys. Uniqueness is che
 the usual conflict is a domain error; two writers racing past the check get the database's IntegrityError.
 """
 
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from decimal import Decimal, InvalidOperation
 from enum import Enum
 from typing import Final, Literal
 
@@ -16,6 +18,8 @@ from sqlalchemy.orm import Session
 from billing.errors import (
     ApiKeyNotFound,
     InvalidLimits,
+    InvalidPrice,
+    InvalidStripeCustomer,
     TenantNameTaken,
     TenantNotFound,
     TierExists,
@@ -68,6 +72,56 @@ def check_on_limit(on_limit: object, max_queue_ms: object) -> None:
         raise InvalidLimits("max_queue_ms", max_queue_ms, "more than 0 when on_limit is 'queue'")
 
 
+PRICE_FIELDS: Final = (
+    "price_input_per_mtok",
+    "price_cached_input_per_mtok",
+    "price_output_per_mtok",
+    "price_gpu_per_second",
+)
+PRICE_DECIMALS: Final = 6  # the columns' scale: Numeric(18, 6)
+# At most 15 significant digits (9 before the point): SQLite stores NUMERIC as a double, which keeps any
+# decimal of 15 significant digits exactly, so a price reads back as written on both backends.
+PRICE_MAX_DIGITS: Final = 15
+PRICE_STEP: Final = Decimal(1).scaleb(-PRICE_DECIMALS)  # 0.000001
+PRICE_MAX: Final = Decimal(10) ** (PRICE_MAX_DIGITS - PRICE_DECIMALS) - PRICE_STEP  # 999999999.999999
+_CURRENCY = re.compile(r"^[a-z]{3}$")
+_STRIPE_CUSTOMER = re.compile(r"^cus_[A-Za-z0-9]{1,60}$")
+
+
+def check_price(field: str, value: object) -> Decimal:
+    """A price as stored: a finite, non-negative Decimal (or int, or decimal string) with at most 6
+    decimals, up to PRICE_MAX. Floats are refused: they carry binary fractions (0.1 is not 1/10)."""
+    requirement = f"a decimal from 0 to {PRICE_MAX} with at most {PRICE_DECIMALS} decimals"
+    if isinstance(value, bool) or not isinstance(value, Decimal | int | str):
+        raise InvalidPrice(field, value, requirement)
+    try:
+        price = Decimal(value)
+    except (InvalidOperation, ValueError):
+        raise InvalidPrice(field, value, requirement) from None
+    if not price.is_finite() or not 0 <= price <= PRICE_MAX:
+        raise InvalidPrice(field, value, requirement)
+    stored = price.quantize(PRICE_STEP)  # exact comparison: a 7th decimal, however small, is refused
+    if stored != price:
+        raise InvalidPrice(field, value, requirement)
+    return stored
+
+
+def check_currency(value: object) -> str:
+    """An ISO 4217 code, stored lowercase as Stripe writes it ("usd")."""
+    if not isinstance(value, str) or not _CURRENCY.match(value.lower()):
+        raise InvalidPrice("currency", value, "a three-letter ISO 4217 currency code such as 'usd'")
+    return value.lower()
+
+
+def check_stripe_customer(value: object) -> str | None:
+    """A Stripe customer id (`cus_` and letters or digits), or None for none."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _STRIPE_CUSTOMER.match(value):
+        raise InvalidStripeCustomer("stripe_customer_id", value, "a Stripe customer id 'cus_...' or null")
+    return value
+
+
 # Tiers
 
 
@@ -82,16 +136,38 @@ def create_tier(
     max_tokens_cap: int | None = None,
     on_limit: OnLimit = "reject",
     max_queue_ms: int = 0,
+    price_input_per_mtok: Decimal | int | str = 0,
+    price_cached_input_per_mtok: Decimal | int | str = 0,
+    price_output_per_mtok: Decimal | int | str = 0,
+    price_gpu_per_second: Decimal | int | str = 0,
+    currency: str = "usd",
 ) -> Tier:
-    """A new tier; limits default to None (unlimited). Raises TierExists, InvalidLimits."""
+    """A new tier; limits default to None (unlimited), prices to 0. Raises TierExists, InvalidLimits
+    (InvalidPrice for a price or the currency)."""
     limits = {
         field: check_limit(field, value)
         for field, value in zip(LIMIT_FIELDS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True)
     }
     check_on_limit(on_limit, max_queue_ms)
+    price_values = (
+        price_input_per_mtok,
+        price_cached_input_per_mtok,
+        price_output_per_mtok,
+        price_gpu_per_second,
+    )
+    prices = _checked_prices(dict(zip(PRICE_FIELDS, price_values, strict=True)))
+    currency = check_currency(currency)
     if s.get(Tier, name) is not None:
         raise TierExists(name)
-    tier = Tier(name=name, description=description, on_limit=on_limit, max_queue_ms=max_queue_ms, **limits)
+    tier = Tier(
+        name=name,
+        description=description,
+        on_limit=on_limit,
+        max_queue_ms=max_queue_ms,
+        currency=currency,
+        **limits,
+        **prices,
+    )
     s.add(tier)
     s.flush()
     return tier
@@ -108,24 +184,48 @@ def update_tier(
     max_tokens_cap: int | _Unset | None = UNSET,
     on_limit: OnLimit | _Unset = UNSET,
     max_queue_ms: int | _Unset = UNSET,
+    price_input_per_mtok: Decimal | int | str | _Unset = UNSET,
+    price_cached_input_per_mtok: Decimal | int | str | _Unset = UNSET,
+    price_output_per_mtok: Decimal | int | str | _Unset = UNSET,
+    price_gpu_per_second: Decimal | int | str | _Unset = UNSET,
+    currency: str | _Unset = UNSET,
 ) -> Tier:
     """Change what is given (UNSET: left as it is; None for a limit: unlimited). All or nothing: the
     result is checked as a whole (on_limit 'queue' needs max_queue_ms > 0) before anything is written.
-    Raises TierNotFound, InvalidLimits. Tenants on the tier see the change once their cached keys expire."""
+    Raises TierNotFound, InvalidLimits (InvalidPrice for a price or the currency). Tenants on the tier see
+    new limits once their cached keys expire; new prices apply to every bill computed from then on, past
+    periods included (billing.pricing uses the current prices)."""
     tier = get_tier(s, name=name)
     limits = _given(dict(zip(LIMIT_FIELDS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True)))
     checked = {field: check_limit(field, value) for field, value in limits.items()}
     new_on_limit = tier.on_limit if isinstance(on_limit, _Unset) else on_limit
     new_queue_ms = tier.max_queue_ms if isinstance(max_queue_ms, _Unset) else max_queue_ms
     check_on_limit(new_on_limit, new_queue_ms)
+    price_values = (
+        price_input_per_mtok,
+        price_cached_input_per_mtok,
+        price_output_per_mtok,
+        price_gpu_per_second,
+    )
+    given_prices = dict(zip(PRICE_FIELDS, price_values, strict=True))
+    prices = _checked_prices({field: v for field, v in given_prices.items() if not isinstance(v, _Unset)})
+    new_currency = None if isinstance(currency, _Unset) else check_currency(currency)
     if not isinstance(description, _Unset):
         _assign(tier, "description", description)
     for field, value in checked.items():
         _assign(tier, field, value)
+    for field, price in prices.items():
+        _assign(tier, field, price)
+    if new_currency is not None:
+        _assign(tier, "currency", new_currency)
     _assign(tier, "on_limit", new_on_limit)
     _assign(tier, "max_queue_ms", new_queue_ms)
     s.flush()
     return tier
+
+
+def _checked_prices(values: Mapping[str, object]) -> dict[str, Decimal]:
+    return {field: check_price(field, value) for field, value in values.items()}
 
 
 def get_tier(s: Session, *, name: str) -> Tier:
@@ -166,14 +266,28 @@ def list_tenants(s: Session, *, include_disabled: bool = True) -> Sequence[Tenan
     return s.scalars(query).all()
 
 
-def update_tenant(s: Session, *, tenant_id: str, name: str | None = None, tier: str | None = None) -> Tenant:
-    """Rename and/or move to another tier; None leaves a field as it is."""
+def update_tenant(
+    s: Session,
+    *,
+    tenant_id: str,
+    name: str | None = None,
+    tier: str | None = None,
+    stripe_customer_id: str | _Unset | None = UNSET,
+) -> Tenant:
+    """Rename and/or move to another tier (None leaves either as it is); set the Stripe customer its usage
+    is billed to (`cus_...`; None clears it; UNSET leaves it). Everything is checked before anything is
+    written. Raises TenantNotFound, TenantNameTaken, TierNotFound, InvalidStripeCustomer."""
     tenant = get_tenant(s, tenant_id=tenant_id)
+    customer = UNSET if isinstance(stripe_customer_id, _Unset) else check_stripe_customer(stripe_customer_id)
     if name is not None and name != tenant.name:
         _check_name_free(s, name)
-        tenant.name = name
-    if tier is not None:
-        tenant.tier = get_tier(s, name=tier).name
+    new_tier = None if tier is None else get_tier(s, name=tier).name
+    if name is not None:
+        _assign(tenant, "name", name)
+    if new_tier is not None:
+        _assign(tenant, "tier", new_tier)
+    if not isinstance(customer, _Unset):
+        _assign(tenant, "stripe_customer_id", customer)
     s.flush()
     return tenant
 

@@ -16,6 +16,7 @@ from app.settings import Settings
 from deployments.engine.config import EngineConfig
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress
+from deployments.metering import Metering
 
 
 class ModelDeployment(BaseModel):
@@ -52,6 +53,9 @@ class AppArgs(BaseModel):
     models: list[ModelDeployment] = Field(min_length=1, description="Base models, each its own deployment.")
     ingress_replicas: int = Field(default=1, ge=1, description="Ingress (HTTP) replicas.")
     ingress_max_ongoing_requests: int = Field(default=1024, ge=1)
+    rollup_interval_s: float = Field(
+        default=300.0, gt=0, description="How often the Metering deployment refreshes rollups (and exports)."
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> "AppArgs":
@@ -100,11 +104,17 @@ def build_app(args: dict[str, Any]) -> Application:
             "max_lora_rank": config.max_lora_rank,
             "lora_target_modules": list(config.lora_target_modules),
         }
+    metering = serve.deployment(
+        name="metering",
+        num_replicas=1,
+        max_ongoing_requests=64,
+        ray_actor_options={"num_cpus": 0},
+    )(Metering).bind(rollup_interval_s=parsed.rollup_interval_s)
     ingress = serve.deployment(
         name="ingress",
         num_replicas=parsed.ingress_replicas,
         max_ongoing_requests=parsed.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )(Ingress)
-    app: Application = ingress.bind(handles, models, parsed.rate_limiter.model_dump())
+    app: Application = ingress.bind(handles, models, parsed.rate_limiter.model_dump(), metering)
     return app

@@ -15,7 +15,22 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
+from deployments.engine_reporter import EngineReporter
 from deployments.registry_watcher import RegistryWatcher
+
+
+def _replica_name(model: str) -> str:
+    """Serve's replica id when running as a replica, else host and process."""
+    try:
+        from ray import serve
+
+        return f"{model}:{serve.get_replica_context().replica_id.unique_id}"
+    except Exception:  # not inside a Serve replica
+        import os
+        import socket
+
+        return f"{model}:{socket.gethostname()}:{os.getpid()}"
+
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +39,21 @@ class EngineReplica:
     def __init__(self, engine_config: dict[str, Any], *, watch_registry: bool = True) -> None:
         self.config = EngineConfig(**engine_config)
         self.engine = AsyncEngine(self.config)
+        self.engine.engine.replica_name = _replica_name(self.config.name)
         self.watcher: RegistryWatcher | None = None
+        self.reporter: EngineReporter | None = None
         if watch_registry:
             settings = Settings()
             sessions = make_session_factory(make_engine(settings.resolved_database_url()))
             self.watcher = RegistryWatcher(self.engine, self.config.name, sessions)
             self.watcher.start()
+            self.reporter = EngineReporter(
+                self.engine,
+                replica=self.engine.engine.replica_name,
+                base_model=self.config.name,
+                session_factory=sessions,
+            )
+            self.reporter.start()
         log.info("engine replica for %s ready", self.config.name)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -44,10 +68,18 @@ class EngineReplica:
         if self.engine._error is not None:
             raise EngineStopped(f"engine loop died: {self.engine._error}")
 
+    def report_now(self) -> None:
+        """Write the busy/wall totals now (tests, and shutdown)."""
+        if self.reporter is not None:
+            self.reporter.report_once()
+
     def __del__(self) -> None:
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.stop()
+        reporter = getattr(self, "reporter", None)
+        if reporter is not None:
+            reporter.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

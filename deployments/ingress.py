@@ -18,6 +18,7 @@ from app.main import create_app
 from app.settings import Settings
 from deployments.limiter_ray import RayLimiter
 from deployments.serve_engine_client import ServeEngineClient
+from deployments.serve_metering_sink import ServeMeteringSink
 
 
 def make_limiter(config: dict[str, Any]) -> LimiterBackend:
@@ -36,6 +37,7 @@ class Ingress:
         engines: dict[str, DeploymentHandle[Any]],
         models: dict[str, dict[str, Any]],
         rate_limiter: dict[str, Any] | None = None,
+        metering: DeploymentHandle[Any] | None = None,
     ) -> None:
         self.settings = Settings()
         specs = {
@@ -54,6 +56,7 @@ class Ingress:
             specs,
             limiter=make_limiter(limiter_config),
             limiter_fail_open=bool(limiter_config.get("fail_open", False)),
+            metering=None if metering is None else ServeMeteringSink(metering),
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -31,7 +31,7 @@ from app.schemas.admin import (
     TierUpdate,
 )
 from billing import repository
-from billing.errors import TierExists, TierNotFound
+from billing.errors import InvalidPrice, InvalidStripeCustomer, TierExists, TierNotFound
 from billing.models import LIMIT_FIELDS, Tenant
 
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
@@ -49,6 +49,8 @@ def _tier_errors() -> Iterator[None]:
         raise APIError(404, str(error), code="not_found") from None
     except TierExists as error:
         raise APIError(409, str(error), param="name", code="conflict") from None
+    except InvalidPrice as error:  # the schema checks first; this is the repository's own guard
+        raise APIError(400, str(error), param=error.field, code="invalid_price") from None
 
 
 @router.post("/tiers", status_code=status.HTTP_201_CREATED)
@@ -72,7 +74,8 @@ def get_tier(name: str, _: AdminDep, services: ServicesDep) -> TierOut:
 @router.patch("/tiers/{name}")
 def update_tier(name: str, body: TierUpdate, _: AdminDep, services: ServicesDep) -> TierOut:
     """Changes the fields given (a limit given as null becomes unlimited); tenants on the tier see the new
-    limits within the auth cache's TTL."""
+    limits within the auth cache's TTL. New prices apply to every bill computed afterwards, past periods
+    included: bills use the tier's current prices."""
     with _tier_errors(), services.session_factory() as session, session.begin():
         return TierOut.model_validate(repository.update_tier(session, name=name, **body.changes()))
 
@@ -108,13 +111,18 @@ def get_tenant(tenant_id: str, _: AdminDep, services: ServicesDep) -> TenantOut:
 
 @router.patch("/tenants/{tenant_id}")
 def update_tenant(tenant_id: str, body: TenantUpdate, _: AdminDep, services: ServicesDep) -> TenantOut:
-    """Rename, move to another tier, and/or set limit overrides (null clears one). All or nothing; the
-    tenant's requests see new limits within the auth cache's TTL."""
-    overrides = {field: value for field, value in body.changes().items() if field in LIMIT_FIELDS}
-    with services.session_factory() as session, session.begin():
-        repository.update_tenant(session, tenant_id=tenant_id, name=body.name, tier=body.tier)
-        tenant = repository.update_tenant_limits(session, tenant_id=tenant_id, **overrides)
-        return _tenant_out(session, tenant)
+    """Rename, move to another tier, set limit overrides (null clears one) and/or the Stripe customer
+    (null clears it). All or nothing; the tenant's requests see new limits within the auth cache's TTL."""
+    changes = body.changes()
+    overrides = {field: value for field, value in changes.items() if field in LIMIT_FIELDS}
+    customer = {k: v for k, v in changes.items() if k == "stripe_customer_id"}
+    try:
+        with services.session_factory() as session, session.begin():
+            repository.update_tenant(session, tenant_id=tenant_id, name=body.name, tier=body.tier, **customer)
+            tenant = repository.update_tenant_limits(session, tenant_id=tenant_id, **overrides)
+            return _tenant_out(session, tenant)
+    except InvalidStripeCustomer as error:  # the schema checks first; this is the repository's own guard
+        raise APIError(400, str(error), param=error.field, code="invalid_stripe_customer") from None
 
 
 @router.delete("/tenants/{tenant_id}")

@@ -1,13 +1,14 @@
 """Admin API bodies: tenants, tiers and API keys."""
 
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from app.limits import Limits
 from billing.models import Tenant
-from billing.repository import LIMIT_MAX, MAX_QUEUE_MS
+from billing.repository import LIMIT_MAX, MAX_QUEUE_MS, PRICE_DECIMALS, PRICE_MAX_DIGITS, PRICE_STEP
 
 # Limits: positive integers, JSON integers only (no "5", 5.0 or true); null means unlimited.
 Rpm = Annotated[int, Field(strict=True, ge=1, le=LIMIT_MAX["rpm"], description="Requests per minute.")]
@@ -40,6 +41,36 @@ TierName = Annotated[
         max_length=64,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         description="Unique tier name: letters, digits, '.', '_' and '-' (it appears in URLs).",
+    ),
+]
+
+# Prices: a decimal string ("0.15") or a JSON number, non-negative, at most 6 decimals and 15 digits;
+# answered as a string with all 6 decimals ("0.150000"), which no JSON parser turns into a float.
+_PRICE = {"ge": 0, "max_digits": PRICE_MAX_DIGITS, "decimal_places": PRICE_DECIMALS}
+PriceInput = Annotated[
+    Decimal, Field(**_PRICE, description="Price in the tier's currency per million input tokens.")
+]
+PriceCachedInput = Annotated[
+    Decimal, Field(**_PRICE, description="Price per million cached input tokens (prompt prefix hits).")
+]
+PriceOutput = Annotated[Decimal, Field(**_PRICE, description="Price per million output tokens.")]
+PriceGpuSecond = Annotated[Decimal, Field(**_PRICE, description="Price per GPU-second of engine time.")]
+Currency = Annotated[
+    str, Field(pattern=r"^[A-Za-z]{3}$", description="ISO 4217 code, stored lowercase (e.g. usd).")
+]
+
+
+def decimal_string(value: Decimal) -> str:
+    """A price or amount as a fixed-point string with 6 decimals: Decimal("0.15") -> "0.150000"."""
+    return format(value.quantize(PRICE_STEP), "f")
+
+
+DecimalString = Annotated[Decimal, PlainSerializer(decimal_string, return_type=str)]
+StripeCustomer = Annotated[
+    str,
+    Field(
+        pattern=r"^cus_[A-Za-z0-9]{1,60}$",
+        description="The Stripe customer the tenant's usage is billed to (cus_...).",
     ),
 ]
 
@@ -77,10 +108,15 @@ class TierCreate(_Body):
     max_tokens_cap: MaxTokensCap | None = None
     on_limit: OnLimit = Field(default="reject", description="Over a limit: 429 at once, or wait first.")
     max_queue_ms: QueueMs = 0
+    price_input_per_mtok: PriceInput = Decimal(0)
+    price_cached_input_per_mtok: PriceCachedInput = Decimal(0)
+    price_output_per_mtok: PriceOutput = Decimal(0)
+    price_gpu_per_second: PriceGpuSecond = Decimal(0)
+    currency: Currency = "usd"
 
 
 class TierUpdate(_Body):
-    """Only the fields given change; a limit given as null becomes unlimited."""
+    """Only the fields given change; a limit given as null becomes unlimited. Prices cannot be null."""
 
     description: str = Field(default="", max_length=1000)
     rpm: Rpm | None = None
@@ -89,6 +125,11 @@ class TierUpdate(_Body):
     max_tokens_cap: MaxTokensCap | None = None
     on_limit: OnLimit = "reject"
     max_queue_ms: QueueMs = 0
+    price_input_per_mtok: PriceInput = Decimal(0)
+    price_cached_input_per_mtok: PriceCachedInput = Decimal(0)
+    price_output_per_mtok: PriceOutput = Decimal(0)
+    price_gpu_per_second: PriceGpuSecond = Decimal(0)
+    currency: Currency = "usd"
 
 
 class TierOut(BaseModel):
@@ -103,6 +144,11 @@ class TierOut(BaseModel):
     max_tokens_cap: int | None
     on_limit: OnLimit
     max_queue_ms: int
+    price_input_per_mtok: DecimalString = Field(description='Per million input tokens, e.g. "0.150000".')
+    price_cached_input_per_mtok: DecimalString = Field(description="Per million cached input tokens.")
+    price_output_per_mtok: DecimalString = Field(description="Per million output tokens.")
+    price_gpu_per_second: DecimalString = Field(description="Per GPU-second.")
+    currency: str
     created_at: datetime
 
 
@@ -121,10 +167,11 @@ class TenantCreate(_Body):
 
 class TenantUpdate(_Body):
     """name and tier: null or absent leaves them. Limit overrides: only those given change; null clears one
-    (the tier's value applies again)."""
+    (the tier's value applies again). stripe_customer_id: absent leaves it, null clears it."""
 
     name: str | None = Field(default=None, min_length=1, max_length=128)
     tier: str | None = Field(default=None, min_length=1, max_length=64)
+    stripe_customer_id: StripeCustomer | None = None
     rpm: Rpm | None = None
     tpm: Tpm | None = None
     max_concurrent: MaxConcurrent | None = None
@@ -146,6 +193,7 @@ class TenantOut(BaseModel):
     tpm: int | None = Field(description="Override of the tier's tpm; null: none.")
     max_concurrent: int | None = Field(description="Override of the tier's max_concurrent; null: none.")
     max_tokens_cap: int | None = Field(description="Override of the tier's max_tokens_cap; null: none.")
+    stripe_customer_id: str | None = Field(description="The Stripe customer billed (cus_...); null: none.")
     limits: LimitsOut = Field(description="What applies: the tier's limits with the overrides.")
 
     @classmethod

@@ -5,6 +5,8 @@ and may run on any thread, so callers get named errors before anything is queued
 """
 
 import logging
+import os
+import socket
 import time
 
 import torch
@@ -91,6 +93,7 @@ class LLMEngine:
         self._started = time.monotonic()
         self.busy_seconds = 0.0
         self.steps = 0
+        self.replica_name = f"{socket.gethostname()}:{os.getpid()}"  # the Serve replica sets its own id
         self.last_step_tokens = 0
         log.info(
             "engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, LoRA kernel %s",
@@ -242,7 +245,9 @@ class LLMEngine:
         ):
             reason = FinishReason.LENGTH
         if reason is None:
-            return RequestOutput(seq.request_id, text, [token])
+            # Every output carries the usage so far: if the client goes away mid-stream, the ingress
+            # bills what the engine had processed up to the last output it received.
+            return RequestOutput(seq.request_id, text, [token], usage=self._usage(seq))
         if delta_stop is None:  # flush held-back text; it may complete a stop string itself
             text += detok.finish()
             if detok.stop_reason is not None:
@@ -255,9 +260,21 @@ class LLMEngine:
     def _final(self, seq: Sequence, text: str) -> RequestOutput:
         self._requests.pop(seq.request_id, None)
         self._detokenizers.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            finished=True,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            usage=self._usage(seq),
+            error=seq.error,
+        )
+
+    def _usage(self, seq: Sequence) -> RequestUsage:
+        """What the request has used so far (final once it finished)."""
         m = seq.metrics
         end = m.finished or time.monotonic()
-        usage = RequestUsage(
+        return RequestUsage(
             prompt_tokens=seq.num_prompt_tokens,
             cached_prompt_tokens=m.cached_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
@@ -266,15 +283,7 @@ class LLMEngine:
             total_ms=(end - m.arrival) * 1e3,
             gpu_ms=m.gpu_time * 1e3,
             preemptions=m.num_preemptions,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            text=text,
-            finished=True,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            usage=usage,
-            error=seq.error,
+            replica=self.replica_name,
         )
 
     def _fail(self, scheduled: list[ScheduledSequence], message: str) -> list[RequestOutput]:

@@ -17,6 +17,7 @@ class RequestUsage:
     total_ms: float  # arrival -> finish
     gpu_ms: float  # this request's share of each step's device time
     preemptions: int
+    replica: str | None = None  # the engine replica that served it
 
 
 @dataclass(slots=True)
@@ -27,7 +28,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
-    usage: RequestUsage | None = None  # set on the final output
+    usage: RequestUsage | None = None  # so far on every output; final on the finished one
     error: str | None = None  # set when finish_reason is ERROR
 
 

@@ -21,7 +21,7 @@ TENANT_ID = re.compile(r"^ten_[a-z2-7]{20}$")
 KEY_ID = re.compile(r"^key_[a-z2-7]{20}$")
 TENANT_FIELDS = {
     *("id", "object", "name", "tier", "status", "created_at", "updated_at", "disabled_at"),
-    *("rpm", "tpm", "max_concurrent", "max_tokens_cap", "limits"),
+    *("rpm", "tpm", "max_concurrent", "max_tokens_cap", "limits", "stripe_customer_id"),
 }
 KEY_FIELDS = {"id", "object", "tenant_id", "name", "prefix", "created_at", "expires_at", "revoked_at"}
 WAIT_S = 2.0  # ten times the fixture's auth cache TTL

@@ -26,7 +26,11 @@ TIER_FIELDS = {
 }
 LIMITS = ("rpm", "tpm", "max_concurrent", "max_tokens_cap")
 TENANT_FIELDS = {"id", "object", "name", "tier", "status", "created_at", "updated_at", "disabled_at"}
-TENANT_FIELDS |= {*LIMITS, "limits"}
+TENANT_FIELDS |= {*LIMITS, "limits", "stripe_customer_id"}
+TIER_FIELDS |= {
+    *("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok"),
+    *("price_gpu_per_second", "currency"),
+}
 LIMITS_FIELDS = {*LIMITS, "on_limit", "max_queue_ms"}
 FREE = {"rpm": 60, "tpm": 100_000, "max_concurrent": 8, "max_tokens_cap": 4096, "on_limit": "reject"}
 CACHE_WAIT_S = 0.3  # the fixture's auth cache lives 0.2 s

@@ -1,0 +1,96 @@
+"""Outbox: usage records kept on local disk until the billing database has them.
+
+An ingress replica writes each record here before trying to deliver it, so a Metering deployment or a
+database that is down loses nothing: delivery retries until it succeeds, and the database ignores ids it
+already has, so a retried batch is never counted twice. One SQLite file per node is shared by every ingress
+replica there: a replica claims rows for a while, and rows claimed by a replica that died are claimed again
+once the claim lapses.
+"""
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from billing.usage import UsageRecord
+
+_DATETIME_FIELDS = {"started_at", "finished_at"}
+
+
+def _encode(record: UsageRecord) -> str:
+    data = asdict(record)
+    for name in _DATETIME_FIELDS:
+        data[name] = data[name].isoformat()
+    return json.dumps(data)
+
+
+def _decode(text: str) -> UsageRecord:
+    data: dict[str, Any] = json.loads(text)
+    for name in _DATETIME_FIELDS:
+        data[name] = datetime.fromisoformat(data[name])
+    known = {f.name for f in fields(UsageRecord)}
+    return UsageRecord(**{k: v for k, v in data.items() if k in known})
+
+
+class Outbox:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, timeout=10, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # durable: a record acknowledged here survives a crash
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+            "request_id TEXT UNIQUE, body TEXT NOT NULL, claimed_by TEXT, claimed_until REAL)"
+        )
+
+    def add(self, record: UsageRecord) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO outbox (request_id, body) VALUES (?, ?)",
+                (record.request_id, _encode(record)),
+            )
+
+    def claim(self, owner: str, limit: int, lease_s: float = 60.0) -> list[tuple[int, UsageRecord]]:
+        """Rows nobody holds (or whose holder's claim lapsed), now held by `owner` for `lease_s`."""
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                rows = self._db.execute(
+                    "SELECT id, body FROM outbox WHERE claimed_by IS NULL OR claimed_until < ? "
+                    "ORDER BY id LIMIT ?",
+                    (now, limit),
+                ).fetchall()
+                self._db.executemany(
+                    "UPDATE outbox SET claimed_by = ?, claimed_until = ? WHERE id = ?",
+                    [(owner, now + lease_s, row[0]) for row in rows],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return [(row[0], _decode(row[1])) for row in rows]
+
+    def done(self, ids: list[int]) -> None:
+        with self._lock:
+            self._db.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in ids])
+
+    def release(self, ids: list[int]) -> None:
+        """Give rows back after a failed delivery, so any replica may retry them."""
+        with self._lock:
+            self._db.executemany("UPDATE outbox SET claimed_by = NULL WHERE id = ?", [(i,) for i in ids])
+
+    def pending(self) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) FROM outbox").fetchone()
+        return int(row[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

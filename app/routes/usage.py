@@ -1,0 +1,96 @@
+"""Usage and bills: GET /v1/usage (a tenant's own usage), GET /admin/usage (any tenant's, or all) and
+GET /admin/tenants/{id}/bill.
+
+Usage is live (aggregated from the usage events as they are recorded); a bill is made of hourly rollups
+(billing.pricing). Database work is synchronous, so these are plain `def` routes run in the thread pool.
+"""
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from app.deps import AdminDep, ServicesDep, TenantDep
+from app.errors import APIError
+from app.routes.guarded import AdminRoute, TenantRoute
+from app.schemas.usage import BillOut, UsageList, UsageRowOut
+from billing import pricing, repository
+from billing.errors import TenantNotFound
+from billing.usage_queries import GroupBy, usage
+
+MAX_USAGE_SPAN = timedelta(days=93)
+
+router = APIRouter(prefix="/v1", tags=["usage"], route_class=TenantRoute)
+admin_router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
+
+Start = Annotated[
+    datetime, Query(description="Start of the period (ISO 8601, inclusive); without an offset: UTC.")
+]
+End = Annotated[datetime, Query(description="End of the period (ISO 8601, exclusive); after start.")]
+GroupByQuery = Annotated[GroupBy, Query(description="hour, adapter (within base model), or model.")]
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def usage_period(start: datetime, end: datetime) -> tuple[datetime, datetime]:
+    """(start, end) in UTC; 400 naming `end` unless start < end <= start + 93 days."""
+    start, end = _utc(start), _utc(end)
+    if end <= start:
+        raise APIError(400, "end must be after start", param="end")
+    if end - start > MAX_USAGE_SPAN:
+        raise APIError(400, f"the period may span at most {MAX_USAGE_SPAN.days} days", param="end")
+    return start, end
+
+
+@router.get("/usage")
+def tenant_usage(
+    principal: TenantDep, services: ServicesDep, start: Start, end: End, group_by: GroupByQuery = "hour"
+) -> UsageList:
+    """The calling tenant's own usage in [start, end), live: requests and tokens as soon as they are
+    recorded. Never another tenant's: the tenant comes from the API key alone."""
+    start, end = usage_period(start, end)
+    with services.session_factory() as session:
+        rows = usage(session, tenant_id=principal.tenant_id, start=start, end=end, group_by=group_by)
+    data = [UsageRowOut.model_validate(row) for row in rows]
+    return UsageList(start=start, end=end, group_by=group_by, data=data)
+
+
+@admin_router.get("/usage")
+def admin_usage(
+    _: AdminDep,
+    services: ServicesDep,
+    start: Start,
+    end: End,
+    group_by: GroupByQuery = "hour",
+    tenant_id: Annotated[str | None, Query(description="One tenant; default: all, by tenant.")] = None,
+) -> UsageList:
+    """Usage in [start, end) of one tenant or of every tenant (each row names its tenant)."""
+    start, end = usage_period(start, end)
+    with services.session_factory() as session:
+        if tenant_id is not None:
+            try:
+                repository.get_tenant(session, tenant_id=tenant_id)
+            except TenantNotFound as error:
+                raise APIError(404, str(error), param="tenant_id", code="not_found") from None
+        rows = usage(session, tenant_id=tenant_id, start=start, end=end, group_by=group_by)
+    data = [UsageRowOut.model_validate(row) for row in rows]
+    return UsageList(start=start, end=end, group_by=group_by, data=data)
+
+
+@admin_router.get("/tenants/{tenant_id}/bill")
+def tenant_bill(
+    tenant_id: str,
+    _: AdminDep,
+    services: ServicesDep,
+    start: Annotated[datetime, Query(description="First hour billed (a whole UTC hour, inclusive).")],
+    end: Annotated[datetime, Query(description="End of the period (a whole UTC hour, exclusive).")],
+) -> BillOut:
+    """The tenant's bill for the rolled-up hours in [start, end), at its tier's current prices; amounts
+    are decimal strings with 6 decimals. Hours not rolled up yet (the current one) are not in it."""
+    try:
+        with services.session_factory() as session:
+            return BillOut.model_validate(pricing.bill(session, tenant_id=tenant_id, start=start, end=end))
+    except pricing.InvalidPeriod as error:
+        raise APIError(400, str(error), param=error.param) from None

@@ -1,0 +1,85 @@
+"""UsageDelivery: the ingress's background task moving usage records from the outbox to metering.
+
+It batches (a write per request would be slow), wakes as soon as a record arrives, and backs off while
+metering is unreachable; records stay in the outbox until metering has acknowledged them.
+"""
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Protocol
+
+from starlette.concurrency import run_in_threadpool
+
+from app.outbox import Outbox
+from billing.usage import UsageRecord
+
+log = logging.getLogger(__name__)
+
+
+class MeteringSink(Protocol):
+    async def record(self, records: list[UsageRecord]) -> int:
+        """Store the records (ignoring ids already stored); returns how many were new."""
+        ...
+
+
+class UsageDelivery:
+    def __init__(
+        self, outbox: Outbox, sink: MeteringSink, *, batch: int = 500, max_backoff_s: float = 30.0
+    ) -> None:
+        self.outbox = outbox
+        self.sink = sink
+        self.batch = batch
+        self.max_backoff_s = max_backoff_s
+        self.owner = f"ingress-{uuid.uuid4().hex[:12]}"
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.delivered = 0
+        self.failures = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="usage-delivery")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def deliver_once(self) -> int:
+        """One batch; returns how many records left the outbox. Raises if metering failed."""
+        claimed = await run_in_threadpool(self.outbox.claim, self.owner, self.batch)
+        if not claimed:
+            return 0
+        ids = [i for i, _ in claimed]
+        try:
+            await self.sink.record([r for _, r in claimed])
+        except BaseException:
+            await run_in_threadpool(self.outbox.release, ids)
+            raise
+        await run_in_threadpool(self.outbox.done, ids)
+        self.delivered += len(ids)
+        return len(ids)
+
+    async def _run(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                while await self.deliver_once() == self.batch:
+                    pass  # a full batch: there may be more right away
+                backoff = 0.5
+                timeout = 5.0  # also sweeps rows other replicas left behind
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                self.failures += 1
+                log.warning("usage delivery failed, retrying in %.1fs: %s", backoff, error)
+                timeout, backoff = backoff, min(backoff * 2, self.max_backoff_s)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)

@@ -1,0 +1,59 @@
+"""EngineReporter: an engine replica's cumulative busy and wall time, written to the billing database, so
+utilisation can be shown and set against the GPU time billed to requests."""
+
+import logging
+import threading
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
+
+from billing.models import EngineReport, utcnow
+from deployments.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineReporter:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        replica: str,
+        base_model: str,
+        session_factory: Callable[[], Session],
+        interval_s: float = 15.0,
+    ) -> None:
+        self._engine = engine
+        self.replica = replica
+        self.base_model = base_model
+        self._sessions = session_factory
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-reporter", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.report_once()
+
+    def report_once(self) -> None:
+        stats = self._engine.stats()
+        with self._sessions() as session, session.begin():
+            row = session.get(EngineReport, self.replica)
+            if row is None:
+                row = EngineReport(replica=self.replica, base_model=self.base_model)
+                session.add(row)
+            row.busy_ms = stats.busy_seconds * 1e3
+            row.wall_ms = stats.wall_seconds * 1e3
+            row.steps = stats.steps
+            row.updated_at = utcnow()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.report_once()
+            except Exception:  # the database may be away: the totals are cumulative, nothing is lost
+                log.exception("engine report failed")
