@@ -31,6 +31,7 @@ from app.cli_http import (
     fmt_time,
     stdout,
 )
+from app.cli_routing import routing_app
 from app.cli_tiers import (
     MaxConcurrentOption,
     MaxTokensCapOption,
@@ -64,6 +65,7 @@ def _groups() -> list[tuple[str, typer.Typer]]:
         ("adapters", adapters_app),
         ("usage", usage_app),
         ("billing", billing_app),
+        ("routing", routing_app),
         ("db", db_app),
     ]
 

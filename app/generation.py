@@ -6,12 +6,11 @@ Whatever happens afterwards (completion, client disconnect, engine failure), the
 released with the tokens really used, and exactly one RequestRecord goes to the observers.
 """
 
-import dataclasses
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -20,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.admission import Admission
 from app.authenticator import Principal
-from app.errors import APIError
+from app.errors import APIError, to_api_error
 from app.observers import RequestRecord, RequestStatus
 from app.schemas.openai import (
     AssistantMessage,
@@ -36,7 +35,7 @@ from app.schemas.openai import (
     Usage,
 )
 from app.services import Services, Target
-from deployments.engine.errors import PromptTooLong
+from deployments.engine.errors import EngineError, PromptTooLong, ReplicaLost
 from deployments.engine.outputs import RequestOutput, RequestUsage
 from deployments.engine.request import EngineRequest
 from deployments.engine.sampling_params import SamplingParams
@@ -44,6 +43,7 @@ from deployments.engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
+MAX_RESTARTS = 2  # a non-streaming request whose replica died is run again at most this often
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
@@ -98,6 +98,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     admission: Admission | None = None
+    engine_request: EngineRequest | None = None
     prompt_tokens: int = 0
     streamed_tokens: int = 0  # what the client received, for reconciling an aborted request
     _recorded: bool = False
@@ -130,7 +131,7 @@ class Generation:
             reserve=len(prompt_ids) + (params.max_tokens or max(room, 0)),
             fail_open=self.services.limiter_fail_open,
         )
-        request = EngineRequest(
+        self.engine_request = request = EngineRequest(
             request_id=self.request_id,
             prompt_ids=prompt_ids,
             params=params,
@@ -169,7 +170,7 @@ class Generation:
             raise APIError(400, message, param="max_tokens", code="max_tokens_over_cap")
         if params.max_tokens is None:
             room = self.target.base.max_model_len - self.prompt_tokens
-            return dataclasses.replace(params, max_tokens=max(1, min(cap, room)))
+            return replace(params, max_tokens=max(1, min(cap, room)))
         return params
 
     async def _collect(
@@ -177,19 +178,38 @@ class Generation:
     ) -> JSONResponse:
         text: list[str] = []
         last = first
+        restarts = 0
         try:
-            text.append(first.text)
-            self.streamed_tokens += len(first.token_ids)
-            while not last.finished:
-                last = await anext(outputs)
-                text.append(last.text)
-                self.streamed_tokens += len(last.token_ids)
-                assert self.admission is not None
-                await self.admission.renew_if_due()
-        except BaseException:
+            while True:
+                try:
+                    text.append(last.text)
+                    self.streamed_tokens += len(last.token_ids)
+                    while not last.finished:
+                        last = await anext(outputs)
+                        text.append(last.text)
+                        self.streamed_tokens += len(last.token_ids)
+                        assert self.admission is not None
+                        await self.admission.renew_if_due()
+                    break
+                except ReplicaLost:
+                    # The client has seen nothing yet: run the request again on another replica.
+                    if restarts == MAX_RESTARTS:
+                        raise
+                    restarts += 1
+                    log.warning("request %s lost its replica mid-generation; restarting", self.request_id)
+                    await outputs.aclose()
+                    assert self.engine_request is not None
+                    # A fresh engine id: the lost attempt may still be known to an engine (abort pending).
+                    self.engine_request = replace(
+                        self.engine_request, request_id=f"{self.request_id}.r{restarts}"
+                    )
+                    outputs = self.services.engine.generate(self.target.base.name, self.engine_request)
+                    text, self.streamed_tokens = [], 0
+                    last = await anext(outputs)
+        except BaseException as stopped:
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()
-                await self._finish("aborted", last)
+                await self._finish("failed" if isinstance(stopped, EngineError) else "aborted", last)
             raise
         if last.finish_reason is FinishReason.ERROR:
             await self._finish("failed", last)
@@ -250,6 +270,9 @@ class Generation:
             if self.include_usage:
                 yield _event(self._usage_chunk(created, last))
             yield "data: [DONE]\n\n"
+        except EngineError as error:  # e.g. the replica died mid-stream: say so in the stream, then end it
+            status = "failed"
+            yield _event(to_api_error(error).body())
         finally:
             # Leaving early (client gone, cancellation) closes the engine stream, which aborts generation.
             # Shielded: under cancellation every await would otherwise raise again at once.

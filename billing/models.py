@@ -269,7 +269,7 @@ class StripeExport(Base):
 
 
 class EngineReport(Base):
-    """An engine replica's cumulative busy and wall time, for utilisation."""
+    """An engine replica's cumulative busy and wall time (utilisation) and routing quality."""
 
     __tablename__ = "engine_reports"
 
@@ -278,4 +278,7 @@ class EngineReport(Base):
     busy_ms: Mapped[float] = mapped_column(Double)
     wall_ms: Mapped[float] = mapped_column(Double)
     steps: Mapped[int] = mapped_column(BigInteger)
+    adapter_requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    adapter_hits: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # found resident
+    adapter_loads: Mapped[dict[str, int] | None] = mapped_column(JSON)  # "name@vN" -> reads from the store
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

@@ -11,6 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from app.settings import Settings
 from deployments.engine.config import EngineConfig
@@ -24,8 +25,29 @@ class ModelDeployment(BaseModel):
 
     name: str = Field(description="The base model's public name (the `model` field clients send).")
     engine: dict[str, Any] = Field(description="EngineConfig fields for this model's engine.")
-    num_replicas: int = Field(default=1, ge=1, description="Engine replicas for this model.")
+    num_replicas: int = Field(default=1, ge=1, description="Engine replicas (ignored with autoscaling).")
     max_ongoing_requests: int = Field(default=256, ge=1, description="Streams one replica accepts at once.")
+    autoscaling: dict[str, Any] | None = Field(
+        default=None,
+        description="Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, "
+        "...): replicas follow the number of ongoing requests.",
+    )
+    router: Literal["adapter_aware", "default"] = Field(
+        default="adapter_aware", description="adapter_aware: by adapter residency and load; default: Serve's."
+    )
+    spill_factor: float = Field(
+        default=1.5,
+        gt=0,
+        description="A replica is overloaded at running+waiting >= spill_factor*max_num_seqs.",
+    )
+    drain_timeout_s: float = Field(
+        default=300.0, ge=0, description="On scale-down, how long a replica may finish its running requests."
+    )
+    report_interval_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="How often each replica writes its busy time and routing counters to the database.",
+    )
 
 
 class RateLimiterConfig(BaseModel):
@@ -89,15 +111,32 @@ def build_app(args: dict[str, Any]) -> Application:
     models = {}
     for model in parsed.models:
         config = _engine_config(model, settings)
+        scaling: dict[str, Any] = (
+            {"autoscaling_config": model.autoscaling}
+            if model.autoscaling
+            else {"num_replicas": model.num_replicas}
+        )
+        if model.router == "adapter_aware":
+            router: dict[str, Any] = {
+                "request_router_class": "deployments.router.AdapterAwareRouter",
+                "request_router_kwargs": {"spill_factor": model.spill_factor},
+                "request_routing_stats_period_s": 1.0,  # residency changes quickly: refresh often
+            }
+            scaling["request_router_config"] = RequestRouterConfig(**router)
         deployment = serve.deployment(
             name=f"engine-{model.name}",
-            num_replicas=model.num_replicas,
             max_ongoing_requests=model.max_ongoing_requests,
+            # Scale-down drains: a stopping replica finishes its running requests first.
+            graceful_shutdown_timeout_s=model.drain_timeout_s,
+            graceful_shutdown_wait_loop_s=1.0,
+            **scaling,
             # CPU engines take no Ray CPU: on small machines the ingress and engines must share cores.
             ray_actor_options={"num_cpus": 0, "num_gpus": 1 if _wants_gpu(config) else 0},
             health_check_period_s=10,
         )(EngineReplica)
-        handles[model.name] = deployment.bind(config.model_dump(mode="json"))
+        handles[model.name] = deployment.bind(
+            config.model_dump(mode="json"), report_interval_s=model.report_interval_s
+        )
         models[model.name] = {
             "model": str(config.model),
             "max_model_len": config.max_model_len,

@@ -6,10 +6,12 @@ Serve cancels this generator and AsyncEngine.generate aborts the request, freein
 
 import logging
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
+from billing.routing_report import live_replicas
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped
@@ -36,7 +38,9 @@ log = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    def __init__(self, engine_config: dict[str, Any], *, watch_registry: bool = True) -> None:
+    def __init__(
+        self, engine_config: dict[str, Any], *, watch_registry: bool = True, report_interval_s: float = 15.0
+    ) -> None:
         self.config = EngineConfig(**engine_config)
         self.engine = AsyncEngine(self.config)
         self.engine.engine.replica_name = _replica_name(self.config.name)
@@ -45,15 +49,29 @@ class EngineReplica:
         if watch_registry:
             settings = Settings()
             sessions = make_session_factory(make_engine(settings.resolved_database_url()))
-            self.watcher = RegistryWatcher(self.engine, self.config.name, sessions)
-            self.watcher.start()
+            name, prefix = self.engine.engine.replica_name, f"{self.config.name}:"
             self.reporter = EngineReporter(
                 self.engine,
-                replica=self.engine.engine.replica_name,
+                replica=name,
                 base_model=self.config.name,
                 session_factory=sessions,
+                interval_s=report_interval_s,
             )
-            self.reporter.start()
+            self.reporter.start()  # reports at once, so peers count this replica when prefetching
+
+            def peers() -> list[str]:  # replicas whose reports are fresh: the ones the router can choose
+                with sessions() as session:
+                    names = live_replicas(
+                        session,
+                        base_model=self.config.name,
+                        within=timedelta(seconds=3 * report_interval_s + 5),
+                    )
+                return [n.removeprefix(prefix) for n in names]
+
+            self.watcher = RegistryWatcher(
+                self.engine, self.config.name, sessions, replica_id=name.removeprefix(prefix), peers=peers
+            )
+            self.watcher.start()
         log.info("engine replica for %s ready", self.config.name)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -62,6 +80,19 @@ class EngineReplica:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the adapter-aware router needs, polled by Serve every few seconds."""
+        s = self.engine.stats()
+        return {
+            "device_adapters": s.device_adapters,
+            "cpu_adapters": s.cpu_adapters,
+            "free_slots": s.free_slots,
+            "running": s.running,
+            "waiting": s.waiting,
+            "kv_usage": s.kv_usage,
+            "max_num_seqs": self.config.max_num_seqs,
+        }
 
     def check_health(self) -> None:
         """Serve restarts the replica if the engine loop has died."""

@@ -1,5 +1,6 @@
 """EngineReporter: an engine replica's cumulative busy and wall time, written to the billing database, so
-utilisation can be shown and set against the GPU time billed to requests."""
+utilisation can be shown and set against the GPU time billed to requests; and its routing counters
+(adapter requests, hits, store reads per adapter version), which GET /admin/routing aggregates."""
 
 import logging
 import threading
@@ -32,6 +33,10 @@ class EngineReporter:
         self._thread = threading.Thread(target=self._run, name="engine-reporter", daemon=True)
 
     def start(self) -> None:
+        try:
+            self.report_once()
+        except Exception:
+            log.exception("engine report failed")
         self._thread.start()
 
     def stop(self) -> None:
@@ -49,6 +54,9 @@ class EngineReporter:
             row.busy_ms = stats.busy_seconds * 1e3
             row.wall_ms = stats.wall_seconds * 1e3
             row.steps = stats.steps
+            row.adapter_requests = stats.adapter_requests
+            row.adapter_hits = stats.adapter_arrival_hits
+            row.adapter_loads = dict(stats.adapter_disk_loads)
             row.updated_at = utcnow()
 
     def _run(self) -> None:

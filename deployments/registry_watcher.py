@@ -4,7 +4,9 @@ Every replica polls the registry (a small indexed query every couple of seconds)
 Ray Serve has no broadcast to all replicas of a deployment, and a replica that starts or restarts later
 catches up by itself. Each pass: adapters deleted since -> dropped from CPU memory and device slots (running
 requests finish on what they hold); pinned adapters -> their newest version pinned in a slot, older pins
-released; versions uploaded since the first pass -> prefetched into the CPU tier.
+released; versions uploaded since the first pass -> prefetched into the CPU tier, by the adapter's home
+replica only when the replica knows its peers (deployments.rendezvous, as the router chooses), so an
+upload costs one load in the deployment, not one per replica.
 """
 
 import logging
@@ -16,6 +18,7 @@ from sqlalchemy.orm import Session
 from adapters.ref import AdapterRef
 from billing import adapter_registry
 from deployments.engine.async_engine import AsyncEngine
+from deployments.rendezvous import rendezvous_order
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +31,15 @@ class RegistryWatcher:
         session_factory: Callable[[], Session],
         *,
         interval_s: float = 2.0,
+        replica_id: str | None = None,
+        peers: Callable[[], list[str]] | None = None,
     ) -> None:
         self._engine = engine
         self._base_model = base_model
         self._sessions = session_factory
         self._interval = interval_s
+        self._replica_id = replica_id
+        self._peers = peers  # the deployment's live replica ids (this one's included or not)
         self._live: dict[str, AdapterRef] = {}  # adapter id -> newest version, as of the last pass
         self._first = True
         self._stop = threading.Event()
@@ -58,9 +65,9 @@ class RegistryWatcher:
             log.info("adapter %s is gone from the registry: dropping it from this replica", adapter_id)
             engine.remove_adapter(adapter_id)
         if not self._first:
-            for adapter_id, ref in live.items():
-                if self._live.get(adapter_id) != ref and ref not in wanted_pins:
-                    engine.prefetch_adapter(ref)  # uploaded since the last pass
+            uploaded = [ref for i, ref in live.items() if self._live.get(i) != ref and ref not in wanted_pins]
+            for ref in self._homed_here(uploaded):
+                engine.prefetch_adapter(ref)
         pinned = set(engine.engine.adapters.slots.pinned)
         for ref in pinned - wanted_pins:
             engine.unpin_adapter(ref)
@@ -68,6 +75,12 @@ class RegistryWatcher:
             engine.pin_adapter(ref)
         self._live = live
         self._first = False
+
+    def _homed_here(self, refs: list[AdapterRef]) -> list[AdapterRef]:
+        if not refs or self._peers is None or self._replica_id is None:
+            return refs
+        replicas = sorted({*self._peers(), self._replica_id})
+        return [ref for ref in refs if rendezvous_order(ref.adapter_id, replicas)[0] == self._replica_id]
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -6,6 +6,7 @@ the adapter is still loading or waiting for a slot (only that request waits; oth
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -52,6 +53,7 @@ class AdapterManager:
         self.cpu = CpuAdapterCache(self._load, capacity=max_cpu_loras)
         self.on_loaded: Callable[[], None] = lambda: None  # the engine loop's wake-up
         self.activation_seconds = 0.0  # time spent writing adapters into slots
+        self.disk_loads: Counter[str] = Counter()  # ref -> store reads (a ref read twice was evicted between)
 
     def check(self, ref: AdapterRef) -> AdapterSpec:
         """Raise a named error if `ref` cannot be served here (missing, rank too large, unsupported)."""
@@ -170,5 +172,6 @@ class AdapterManager:
         if self._device.type == "cuda":  # pinned host memory makes the slot copy asynchronous
             for w in weights.modules.values():
                 w.a, w.b = w.a.pin_memory(), w.b.pin_memory()
+        self.disk_loads[str(ref)] += 1
         log.info("adapter %s loaded into CPU memory (%.1f MiB)", ref, weights.nbytes / 2**20)
         return weights

@@ -46,3 +46,16 @@ class EngineStopped(EngineError):
 
 class EngineOverloaded(EngineError):
     """The waiting queue is full; the caller should retry later or on another replica."""
+
+
+class ReplicaLost(EngineStopped):
+    """The engine replica serving a request died (or became unreachable) after the request had started
+    delivering output elsewhere than a retry could hide."""
+
+    def __init__(self, request_id: str, delivered_tokens: int) -> None:
+        super().__init__(
+            f"the engine replica serving request {request_id} stopped after {delivered_tokens} generated "
+            "tokens; retry the request"
+        )
+        self.request_id = request_id
+        self.delivered_tokens = delivered_tokens

@@ -95,6 +95,8 @@ class LLMEngine:
         self.steps = 0
         self.replica_name = f"{socket.gethostname()}:{os.getpid()}"  # the Serve replica sets its own id
         self.last_step_tokens = 0
+        self.adapter_requests = 0
+        self.adapter_arrival_hits = 0
         log.info(
             "engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, LoRA kernel %s",
             num_blocks,
@@ -147,6 +149,9 @@ class LLMEngine:
         if seq.request_id in self._requests:
             raise DuplicateRequestId(seq.request_id)
         self._requests[seq.request_id] = seq
+        if seq.adapter is not None:  # routing quality: did the request find its adapter already here?
+            self.adapter_requests += 1
+            self.adapter_arrival_hits += seq.adapter in self.adapters.held()
         self._detokenizers[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer,
             seq.prompt_ids,
@@ -312,6 +317,9 @@ class LLMEngine:
             prefix_hit_rate=self.blocks.prefix_hits / max(1, self.blocks.prefix_queries),
             adapter_loads=slots.loads,
             adapter_evictions=slots.evictions,
+            adapter_requests=self.adapter_requests,
+            adapter_arrival_hits=self.adapter_arrival_hits,
+            adapter_disk_loads=dict(self.adapters.disk_loads),
         )
 
     def close(self) -> None:

@@ -49,3 +49,6 @@ class EngineStats:
     prefix_hit_rate: float
     adapter_loads: int  # device slot loads
     adapter_evictions: int
+    adapter_requests: int = 0  # requests naming an adapter
+    adapter_arrival_hits: int = 0  # ...that found it here already (slot, CPU tier, or loading)
+    adapter_disk_loads: dict[str, int] = field(default_factory=dict)  # ref -> reads from the store

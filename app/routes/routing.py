@@ -1,0 +1,30 @@
+"""GET /admin/routing: routing quality per base model and replica (adapter hit rate, loads, duplicate
+loads), from the counters engine replicas report to the billing database. Counters are cumulative over a
+replica's life; a replica that stopped reporting drops out after `within_s`."""
+
+from datetime import timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from app.deps import AdminDep, ServicesDep
+from app.routes.guarded import AdminRoute
+from app.schemas.routing import ModelRoutingOut, RoutingList
+from billing.routing_report import routing_report
+
+router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
+
+
+@router.get("/routing")
+def admin_routing(
+    _: AdminDep,
+    services: ServicesDep,
+    model: Annotated[str | None, Query(description="One base model; default: all.")] = None,
+    within_s: Annotated[
+        float | None, Query(gt=0, description="Only replicas that reported in the last within_s seconds.")
+    ] = None,
+) -> RoutingList:
+    within = timedelta(seconds=within_s) if within_s is not None else None
+    with services.session_factory() as session:
+        models = routing_report(session, base_model=model, within=within)
+    return RoutingList(data=[ModelRoutingOut.model_validate(m) for m in models])

@@ -1,0 +1,153 @@
+"""AdapterAwareRouter: Ray Serve request routing for engine deployments, by adapter residency and load.
+
+Serve's default router spreads requests by queue length, so every replica ends up loading every adapter;
+its multiplexing routes by periodically reported stats, so a burst for a new adapter loads it on several
+replicas before the stats catch up. This router:
+
+- sends an adapter request to a replica that already holds that adapter (device slot first, then CPU
+  tier), per the replicas' reported stats and this router's own recent choices (which cover the seconds
+  before the next stats refresh);
+- otherwise to the adapter's home replica, chosen by rendezvous hashing of (adapter, replica): every
+  router instance, on every ingress replica, agrees on it without talking to the others;
+- spills to the least loaded replica with a free slot when the preferred one is overloaded
+  (running + waiting >= spill_factor * max_num_seqs), so one hot adapter cannot pin a replica;
+- sends base-model requests to the least loaded replica, except that a follow-up turn (its prompt starts
+  like a recent request's, same tenant and adapter) prefers the replica that served the earlier turn, so
+  its prefix-cache blocks are reused.
+
+Each rank returned is a list Serve probes for queue length, taking the shortest; the first rank holds a
+single replica whenever one is clearly right, so the choice stays deterministic.
+"""
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from deployments.engine.request import EngineRequest
+from deployments.rendezvous import rendezvous_order
+
+log = logging.getLogger(__name__)
+PREFIX_TOKENS = 32  # a follow-up turn repeats at least this much of the earlier prompt
+MEMORY = 4096  # recent choices remembered (adapter -> replica, prompt prefix -> replica)
+MEMORY_TTL_S = 600.0
+
+
+def rendezvous(key: str, replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """Replicas in the order this key prefers them: the same on every router and replica."""
+    by_id = {r.replica_id.unique_id: r for r in replicas}
+    return [by_id[i] for i in rendezvous_order(key, list(by_id))]
+
+
+def prefix_key(request: EngineRequest) -> str | None:
+    if len(request.prompt_ids) < PREFIX_TOKENS:
+        return None
+    head = ",".join(map(str, request.prompt_ids[:PREFIX_TOKENS]))
+    scope = f"{request.cache_salt}|{request.adapter}"
+    return hashlib.blake2b(f"{scope}|{head}".encode(), digest_size=12).hexdigest()
+
+
+class _Memory:
+    """A bounded, expiring map of recent routing choices."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, tuple[float, ReplicaID]] = OrderedDict()
+
+    def get(self, key: str) -> ReplicaID | None:
+        hit = self._items.get(key)
+        if hit is None or hit[0] < time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, key: str, replica: ReplicaID) -> None:
+        self._items[key] = (time.monotonic() + MEMORY_TTL_S, replica)
+        self._items.move_to_end(key)
+        while len(self._items) > MEMORY:
+            self._items.popitem(last=False)
+
+
+class AdapterAwareRouter(RequestRouter):
+    def initialize_state(self, spill_factor: float = 1.5, **kwargs: Any) -> None:
+        self.spill_factor = spill_factor
+        self._adapter_home = _Memory()  # adapter -> where this router last sent it
+        self._prefix_home = _Memory()  # prompt prefix -> where its earlier turn went
+        self.decisions = 0
+        self.held_decisions = 0  # the first choice already held the adapter (per stats or memory)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        request = _engine_request(pending_request)
+        if not candidate_replicas:
+            return []
+        if request is None:  # stats and other control calls: anyone not overloaded
+            return [self._by_load(candidate_replicas)]
+        ranks = self._rank(candidate_replicas, request)
+        return [rank for rank in ranks if rank]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        request = _engine_request(pending_request)
+        if request is None:
+            return
+        if request.adapter is not None:
+            self._adapter_home.put(request.adapter.adapter_id, replica_id)
+        key = prefix_key(request)
+        if key is not None:
+            self._prefix_home.put(key, replica_id)
+
+    # -- policy -----------------------------------------------------------------------------------------
+
+    def _rank(self, replicas: list[RunningReplica], request: EngineRequest) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id: r for r in replicas}
+        fit = [r for r in replicas if not self._overloaded(r)]
+        previous = self._prefix_home.get(key) if (key := prefix_key(request)) else None
+        follow_up = by_id.get(previous) if previous is not None else None
+        if request.adapter is None:
+            first = [follow_up] if follow_up is not None and follow_up in fit else []
+            return [first, self._by_load(fit), self._by_load(replicas)]
+
+        ref, adapter_id = str(request.adapter), request.adapter.adapter_id
+        in_slot = [r for r in fit if ref in _stats(r).get("device_adapters", ())]
+        in_cpu = [r for r in fit if ref in _stats(r).get("cpu_adapters", ())]
+        remembered = by_id.get(self._adapter_home.get(adapter_id))  # type: ignore[arg-type]
+        home = next(iter(rendezvous(adapter_id, fit)), None)
+        ordered: list[RunningReplica] = []
+        for r in [follow_up, *in_slot, *in_cpu, remembered, home]:
+            if r is not None and r in fit and r not in ordered:
+                ordered.append(r)
+        self.decisions += 1
+        if ordered and (ordered[0] in in_slot or ordered[0] in in_cpu or ordered[0] is remembered):
+            self.held_decisions += 1
+        with_slot = [r for r in fit if _stats(r).get("free_slots", 1) > 0]
+        # One replica first (deterministic: the adapter stays in one place), then spill options.
+        return [ordered[:1], self._by_load(with_slot or fit), self._by_load(replicas)]
+
+    def _overloaded(self, replica: RunningReplica) -> bool:
+        stats = _stats(replica)
+        capacity = stats.get("max_num_seqs")
+        if not capacity:
+            return False
+        return self._load(replica) >= self.spill_factor * float(capacity)
+
+    def _load(self, replica: RunningReplica) -> float:
+        stats = _stats(replica)
+        reported = float(stats.get("running", 0) + stats.get("waiting", 0))
+        queued = self.replica_queue_len_cache.get(replica.replica_id)  # fresher: counts our own sends
+        return max(reported, float(queued or 0))
+
+    def _by_load(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        return sorted(replicas, key=self._load)
+
+
+def _stats(replica: RunningReplica) -> dict[str, Any]:
+    return replica.routing_stats or {}
+
+
+def _engine_request(pending: PendingRequest | None) -> EngineRequest | None:
+    if pending is None or not pending.args:
+        return None
+    first = pending.args[0]
+    return first if isinstance(first, EngineRequest) else None

@@ -1,0 +1,130 @@
+"""AdapterAwareRouter's policy on replicas described by their routing stats (no cluster needed): holders
+first, then the adapter's rendezvous home; spill when overloaded; base requests by load; follow-ups stick."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from adapters.ref import AdapterRef
+from deployments.engine.request import EngineRequest
+from deployments.engine.sampling_params import SamplingParams
+from deployments.rendezvous import rendezvous_order
+from deployments.router import PREFIX_TOKENS, AdapterAwareRouter
+
+
+@dataclass(frozen=True)
+class FakeId:
+    unique_id: str
+
+
+@dataclass(eq=False)
+class FakeReplica:
+    """The two things the policy reads of Serve's RunningReplica."""
+
+    name: str
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def replica_id(self) -> FakeId:
+        return FakeId(self.name)
+
+
+def make_router(spill_factor: float = 1.5) -> AdapterAwareRouter:
+    router = AdapterAwareRouter.__new__(AdapterAwareRouter)  # Serve's constructor needs a live controller
+    router.initialize_state(spill_factor=spill_factor)
+    router.__dict__["_queue_lens"] = {}
+    return router
+
+
+@pytest.fixture(autouse=True)
+def no_queue_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        AdapterAwareRouter, "replica_queue_len_cache", property(lambda self: {}), raising=False
+    )
+
+
+def stats(
+    *, slot: tuple[str, ...] = (), cpu: tuple[str, ...] = (), running: int = 0, free: int = 2
+) -> dict[str, Any]:
+    return {"device_adapters": list(slot), "cpu_adapters": list(cpu), "free_slots": free, "running": running,
+            "waiting": 0, "kv_usage": 0.0, "max_num_seqs": 16}  # fmt: skip
+
+
+def request(adapter: str | None, prompt: list[int] | None = None, tenant: str = "t") -> EngineRequest:
+    ref = AdapterRef(adapter, 1) if adapter else None
+    return EngineRequest(
+        "r", prompt or [1, 2, 3], SamplingParams(max_tokens=4), adapter=ref, cache_salt=tenant
+    )
+
+
+def first(router: AdapterAwareRouter, replicas: list[FakeReplica], req: EngineRequest) -> str:
+    ranks = router._rank(replicas, req)  # type: ignore[arg-type]
+    return ranks[0][0].name  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_replica_holding_the_adapter_wins_slot_before_cpu() -> None:
+    replicas = [FakeReplica("a", stats()), FakeReplica("b", stats(cpu=("x@v1",))), FakeReplica("c", stats())]
+    assert first(make_router(), replicas, request("x")) == "b"
+    replicas[2].routing_stats = stats(slot=("x@v1",))
+    assert first(make_router(), replicas, request("x")) == "c"
+
+
+def test_a_new_adapter_goes_to_its_rendezvous_home_on_every_router() -> None:
+    replicas = [FakeReplica(n, stats()) for n in ("a", "b", "c")]
+    homes = {}
+    for adapter in (f"adapter-{i}" for i in range(24)):
+        choices = {first(make_router(), replicas, request(adapter)) for _ in range(3)}  # independent routers
+        assert choices == {rendezvous_order(adapter, ["a", "b", "c"])[0]}
+        homes[adapter] = choices.pop()
+    assert set(homes.values()) == {"a", "b", "c"}  # and adapters spread over the replicas
+
+
+def test_the_routers_own_recent_choice_covers_the_time_before_stats_refresh() -> None:
+    replicas = [FakeReplica(n, stats()) for n in ("a", "b", "c")]
+    router = make_router()
+    home = rendezvous_order("x", ["a", "b", "c"])[0]
+    other = next(r for r in replicas if r.name != home)
+    router._adapter_home.put("x", other.replica_id)  # type: ignore[arg-type]  # e.g. an earlier spill
+    assert first(router, replicas, request("x")) == other.name
+
+
+def test_an_overloaded_holder_spills_to_its_next_home_or_the_least_loaded_with_a_free_slot() -> None:
+    home = rendezvous_order("x", ["a", "b", "c"])[0]
+    replicas = {n: FakeReplica(n, stats(running=3)) for n in ("a", "b", "c")}
+    replicas[home].routing_stats = stats(slot=("x@v1",), running=24)  # 24 >= 1.5 * 16
+    others = [n for n in ("a", "b", "c") if n != home]
+    replicas[others[0]].routing_stats = stats(running=1, free=0)
+    replicas[others[1]].routing_stats = stats(running=5, free=1)
+    ranks = make_router()._rank(list(replicas.values()), request("x"))  # type: ignore[arg-type]
+    # No fit replica holds it: its next rendezvous choice (so one hot adapter spills to one place), then
+    # the least loaded replica with a free slot.
+    assert [r.name for r in ranks[0]] == [rendezvous_order("x", others)[0]]  # type: ignore[attr-defined]
+    assert [r.name for r in ranks[1]] == [others[1]]  # type: ignore[attr-defined]
+    assert make_router(spill_factor=2.0)._rank(list(replicas.values()), request("x"))[0][0].name == home  # type: ignore[attr-defined]
+
+
+def test_base_requests_go_to_the_least_loaded_and_follow_ups_stick() -> None:
+    replicas = [
+        FakeReplica("a", stats(running=4)),
+        FakeReplica("b", stats(running=1)),
+        FakeReplica("c", stats(running=2)),
+    ]
+    router = make_router()
+    assert router._rank(replicas, request(None))[0] == []  # type: ignore[arg-type]
+    assert [r.name for r in router._rank(replicas, request(None))[1]] == ["b", "c", "a"]  # type: ignore[arg-type,attr-defined]
+
+    long_prompt = list(range(PREFIX_TOKENS + 10))
+    router._prefix_home.put(_prefix(long_prompt, "t"), replicas[2].replica_id)  # type: ignore[arg-type]
+    follow_up = request(None, [*long_prompt, 99, 98])
+    assert first(router, replicas, follow_up) == "c"
+    other_tenant = request(None, [*long_prompt, 99, 98], tenant="u")  # another tenant's cache is not shared
+    assert router._rank(replicas, other_tenant)[0] == []  # type: ignore[arg-type]
+
+
+def _prefix(prompt: list[int], tenant: str) -> str:
+    from deployments.router import prefix_key
+
+    key = prefix_key(request(None, prompt, tenant))
+    assert key is not None
+    return key
