@@ -14,6 +14,8 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -78,13 +80,30 @@ def billing_export(ctx: typer.Context) -> None:
     url, shown = _existing_database()
 
     def run() -> JSON:
-        with _sessions(url) as factory:
-            return export_usage(factory, config).as_dict()
+        with _sessions(url) as factory, _export_progress() as progress:
+            task = progress.add_task("sending meter events to Stripe", total=None)
+
+            def advance(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+
+            return export_usage(factory, config, on_progress=advance).as_dict()
 
     summary = _db(run, shown, connecting=True)
     emit(ctx, {"database": shown, **summary}, _print_export)
     if summary["failed"]:
         raise typer.Exit(EXIT_API_ERROR)
+
+
+def _export_progress() -> Progress:
+    """A bar on stderr (stdout stays the summary or --json), gone when the export ends."""
+    return Progress(
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True, highlight=False),
+        transient=True,
+    )
 
 
 def _print_export(summary: JSON) -> None:

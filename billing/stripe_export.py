@@ -121,6 +121,7 @@ def export_usage(
     backoff_s: float = 1.0,
     max_backoff_s: float = 30.0,
     sleep: Callable[[float], None] = time.sleep,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> ExportSummary:
     """Plan what grew, then send up to config.batch_limit pending events, oldest first.
 
@@ -129,7 +130,7 @@ def export_usage(
     retried within the run, after the SDK's own retries, `retries` more times with exponential backoff from
     `backoff_s` (or the server's Retry-After), each wait at most `max_backoff_s`; if they persist, or the key
     is refused, the run stops there and the rest waits for the next run. Any other refusal (a 400) concerns
-    one event: the run goes on.
+    one event: the run goes on. `on_progress(done, total)` is called after each event of the batch.
     """
     client = client or make_client(config)
     now = now or utcnow()
@@ -143,7 +144,9 @@ def export_usage(
             .order_by(StripeExport.created_at, StripeExport.identifier)
             .limit(config.batch_limit)
         ).all()
-    for row in batch:
+    for done, row in enumerate(batch, start=1):
+        if on_progress is not None:
+            on_progress(done - 1, len(batch))
         if row.timestamp < oldest:  # waited too long (Stripe was away for weeks): never send it late
             _finish(session_factory, row.identifier, status="skipped", calls=0, error=TOO_OLD)
             skipped += 1
@@ -160,6 +163,8 @@ def export_usage(
         log.warning("stripe export: %s not delivered: %s", row.identifier, delivery.error)
         if delivery.stop_run:  # every other event would fail the same way: leave them to the next run
             break
+    if on_progress is not None:
+        on_progress(len(batch), len(batch))
     with session_factory() as session:
         pending = session.scalar(select(func.count()).where(StripeExport.status == "pending")) or 0
     return ExportSummary(created=created, sent=sent, failed=failed, skipped=skipped, duplicates=duplicates,

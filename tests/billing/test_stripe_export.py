@@ -439,3 +439,15 @@ def test_config_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("LORAPLEX_STRIPE_METER_INPUT_TOKENS", "gpu_time")
     with pytest.raises(ValidationError, match="must differ"):
         StripeConfig()
+
+
+def test_progress_counts_every_event_of_the_batch(
+    sessions: sessionmaker[Session], stub: StripeStub, now: datetime
+) -> None:
+    seen: list[tuple[int, int]] = []
+    summary = export_usage(
+        sessions, config(stub), now=now, backoff_s=0.01, sleep=lambda _: None,
+        on_progress=lambda done, total: seen.append((done, total)),
+    )  # fmt: skip
+    total = summary.sent
+    assert seen == [(done, total) for done in range(total + 1)]

@@ -1,0 +1,257 @@
+"""Adapter-aware routing against Ray Serve's default router, on the same workload in the same run: a real
+Serve app (local Ray, HTTP proxy on loopback) with 3 engine replicas of a tiny Llama and 24 public adapters.
+
+Per router, on fresh replicas (the adapters are uploaded before they start, so every load is the router's
+doing): a warm-up burst (2 concurrent streamed requests per adapter), then N bursts of one per adapter.
+Reported, from the replicas' counters behind GET /admin/routing: adapter loads ((adapter, replica) pairs),
+duplicate loads (pairs beyond one replica per adapter), the hit rate after warm-up; and client-side TTFT
+(first SSE chunk carrying a choice) over the measured bursts.
+Run: python -m bench.routing [--bursts 3] [--max-tokens 8]; the last line is one JSON object.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+
+from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
+from billing.migrate import upgrade
+from deployments.builder import build_app
+from deployments.engine.demo_model import ensure_model
+
+APP, MODEL, ADAPTERS, REPLICAS = "loraplex", "tiny-llama", 24, 3
+Snapshot = dict[str, dict[str, Any]]  # replica name -> its row of GET /admin/routing
+
+
+class Platform:
+    def __init__(self, url: str, admin_key: str, model_dir: Path) -> None:
+        self.url, self.admin_key, self.model_dir = url, admin_key, model_dir
+        self.seen: set[str] = set()  # replicas of earlier deployments: never counted again
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"authorization": f"Bearer {self.admin_key}"}, timeout=60
+        )
+
+    def deploy(self, router: str, replicas: int, spill_factor: float) -> set[str]:
+        """Fresh replicas: the old app goes first, so no adapter survives from the previous router's run."""
+        if APP in serve.status().applications:
+            serve.delete(APP)
+        engine = {"model": str(self.model_dir), "num_kv_blocks": 256, "block_size": 4, "max_num_seqs": 16,
+                  "max_num_batched_tokens": 128, "max_loras": 4, "max_cpu_loras": ADAPTERS}  # fmt: skip
+        model = {"name": MODEL, "engine": engine, "num_replicas": replicas, "router": router,
+                 "spill_factor": spill_factor, "report_interval_s": 0.5}  # fmt: skip
+        serve.run(build_app({"models": [model]}), name=APP, route_prefix="/", blocking=False)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            status = serve.status().applications.get(APP)
+            live = {r["replica"] for r in self.routing(within_s=1.5)} - self.seen
+            if status is not None and status.status == "RUNNING" and len(live) == replicas:
+                self.seen |= live
+                return live
+            time.sleep(0.5)
+        raise TimeoutError(f"{replicas} fresh replicas not reporting: {serve.status()}")
+
+    def routing(self, within_s: float) -> list[dict[str, Any]]:
+        try:
+            with self.admin() as admin:
+                reply = admin.get("/admin/routing", params={"model": MODEL, "within_s": within_s})
+        except httpx.HTTPError:  # between apps, or the ingress still starting
+            return []
+        if reply.status_code != 200:
+            return []
+        data: list[dict[str, Any]] = reply.json()["data"]
+        return data[0]["replicas"] if data else []
+
+    def snapshot(self, replicas: set[str]) -> Snapshot:
+        """Counters of `replicas`, each from a report written after this call (so everything sent is in)."""
+        since = datetime.now(UTC)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            rows = {r["replica"]: r for r in self.routing(within_s=5) if r["replica"] in replicas}
+            if len(rows) == len(replicas) and all(_at(r["reported_at"]) > since for r in rows.values()):
+                return rows
+        raise TimeoutError(f"replicas {sorted(replicas)} stopped reporting")
+
+
+def _at(stamp: str) -> datetime:
+    parsed = datetime.fromisoformat(stamp)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def delta(before: Snapshot, after: Snapshot) -> tuple[int, int, dict[str, set[str]]]:
+    """(adapter requests, hits, adapter -> replicas that loaded it) between two snapshots."""
+    requests = hits = 0
+    spread: dict[str, set[str]] = {}
+    for name, now in after.items():
+        then = before.get(name, {"adapter_requests": 0, "adapter_hits": 0, "adapter_loads": {}})
+        requests += now["adapter_requests"] - then["adapter_requests"]
+        hits += now["adapter_hits"] - then["adapter_hits"]
+        for ref, count in now["adapter_loads"].items():
+            if count > then["adapter_loads"].get(ref, 0):
+                spread.setdefault(ref, set()).add(name)
+    return requests, hits, spread
+
+
+async def streamed(client: httpx.AsyncClient, model: str, max_tokens: int) -> float | None:
+    """TTFT in ms as the client sees it; None for a failed request (an error status or error event)."""
+    body = {
+        "model": model,
+        "prompt": "select name from users where",
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            await reply.aread()
+            return None
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return None
+            if first is None and event.get("choices"):  # not the usage-only chunk
+                first = (time.perf_counter() - start) * 1e3
+    return first
+
+
+async def burst(
+    url: str, key: str, names: list[str], per_adapter: int, max_tokens: int
+) -> list[float | None]:
+    headers = {"authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers) as client:
+        calls = [streamed(client, n, max_tokens) for n in names for _ in range(per_adapter)]
+        return await asyncio.gather(*calls)
+
+
+def measure(
+    platform: Platform, key: str, names: list[str], router: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    replicas = platform.deploy(router, REPLICAS, args.spill_factor)
+    start = platform.snapshot(replicas)
+    warm_up = asyncio.run(burst(platform.url, key, names, 2, args.max_tokens))
+    warm = platform.snapshot(replicas)
+    ttft: list[float | None] = []
+    for _ in range(args.bursts):
+        ttft += asyncio.run(burst(platform.url, key, names, 1, args.max_tokens))
+    end = platform.snapshot(replicas)
+    requests, hits, _ = delta(warm, end)
+    _, _, spread = delta(start, end)
+    loads = sum(len(where) for where in spread.values())
+    # Pinning adapters to homes trades balance for residency: the busiest replica's share shows the cost.
+    busiest = max(end[r]["adapter_requests"] - warm[r]["adapter_requests"] for r in end)
+    ok = sorted(t for t in ttft if t is not None)
+    return {
+        "loads": loads,
+        "duplicate_loads": loads - len(spread),
+        "hit_rate": round(hits / requests, 4) if requests else None,
+        "requests_after_warm_up": requests,  # adapter requests the replicas counted: expect bursts * 24
+        "busiest_replica_requests": busiest,  # of those; an even split is requests / 3
+        "p50_ttft_ms": round(statistics.median(ok), 1) if ok else None,
+        "p95_ttft_ms": round(ok[min(len(ok) - 1, int(0.95 * len(ok)))], 1) if ok else None,
+        "errors": sum(t is None for t in warm_up + ttft),
+        "replicas_used": len({r for where in spread.values() for r in where}),
+    }
+
+
+def setup(platform: Platform, adapter_dir: Path) -> tuple[str, list[str]]:
+    """An enterprise tenant (its rate limits never bind here) and 24 public copies of one adapter."""
+    files = {
+        p: (p, (adapter_dir / p).read_bytes()) for p in ("adapter_config.json", "adapter_model.safetensors")
+    }
+    with platform.admin() as admin:
+        tenant = admin.post("/admin/tenants", json={"name": "routing-bench", "tier": "enterprise"})
+        tenant.raise_for_status()
+        key = admin.post(f"/admin/tenants/{tenant.json()['id']}/keys", json={})
+        key.raise_for_status()
+        for i in range(ADAPTERS):
+            made = admin.post(
+                "/admin/adapters",
+                data={"name": f"route-{i:02d}", "owner": "public", "base_model": MODEL},
+                files={"adapter_config": files["adapter_config.json"],
+                       "adapter_model": files["adapter_model.safetensors"]},
+            )  # fmt: skip
+            made.raise_for_status()
+    return key.json()["key"], [f"public/route-{i:02d}" for i in range(ADAPTERS)]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--bursts", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--spill-factor", type=float, default=1.5, help="the deployment default")
+    args = parser.parse_args()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
+    work = Path(tempfile.mkdtemp(prefix="routing-bench-"))
+    # The e2e tests' setup: tiny Llama (cached, shared with bench.gateway) and its demo-sql adapter.
+    model_dir = ensure_model(Path("var/bench/tiny-llama"), arch="llama", preset="tiny").resolve()
+    adapter_dir = build_from_recipe(DEMO_ADAPTERS[0], model_dir, work / "demo-sql")
+    database_url = f"sqlite:///{work / 'loraplex.db'}"
+    upgrade(database_url)
+    env = {
+        "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns token auth on for new local clusters
+        "LORAPLEX_DATA_DIR": str(work),
+        "LORAPLEX_DATABASE_URL": database_url,
+        "LORAPLEX_ADMIN_KEY": secrets.token_urlsafe(24),
+        "LORAPLEX_AUTH_CACHE_TTL_S": "0.2",
+        "LORAPLEX_ADAPTER_STORE": str(work / "adapters"),
+    }
+    os.environ.update(env)  # build_app reads Settings here; workers get the same through runtime_env
+    os.environ.pop("RAY_GCS_SERVER_PORT", None)  # unset: a local cluster takes a random GCS port, not 6379
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
+             runtime_env={"env_vars": env})  # fmt: skip
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        platform = Platform(f"http://127.0.0.1:{port}", env["LORAPLEX_ADMIN_KEY"], model_dir)
+        platform.deploy("default", 1, args.spill_factor)  # one replica to upload through: retired after
+        key, names = setup(platform, adapter_dir)
+        default = measure(platform, key, names, "default", args)
+        ours = measure(platform, key, names, "adapter_aware", args)
+    finally:
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)  # the database, store and adapter: this run's only
+    print(f"{'':24}{'default':>12}{'adapter_aware':>16}")
+    for field in default:
+        print(f"{field:24}{default[field]!s:>12}{ours[field]!s:>16}")
+    result = {
+        "bench": "routing", "replicas": REPLICAS, "adapters": ADAPTERS, "bursts": args.bursts,
+        "spill_factor": args.spill_factor, "ours": ours, "default": default,
+        "ratios": {
+            "loads_default_over_ours": ratio(default["loads"], ours["loads"]),
+            "hit_rate_ours_over_default": ratio(ours["hit_rate"], default["hit_rate"]),
+            "p50_ttft_default_over_ours": ratio(default["p50_ttft_ms"], ours["p50_ttft_ms"]),
+        },
+    }  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
