@@ -15,10 +15,17 @@ import anyio
 
 from app.errors import APIError
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
+from app.metrics import Counter
 
 log = logging.getLogger(__name__)
 RENEW_EVERY_S = 30.0  # leases last minutes; a long stream renews well before they lapse
 QUEUE_POLL_S = 0.025
+
+# reason: requests, tokens, concurrency or queued (a limit was reached), too_large (more than a minute's
+# tokens), unavailable (the limiter could not be reached and the ingress fails closed).
+REJECTIONS = Counter(
+    "loraplex_limiter_rejections", "Requests the rate limiter refused.", ("tenant", "reason")
+)
 
 _MESSAGES = {
     "requests": "requests per minute (RPM): limit {limit}",
@@ -88,10 +95,12 @@ class Admission:
                 if decision.admitted:
                     return cls(backend, tenant, request_id, limits, decision)
                 if decision.reason == "too_large":
+                    _count_rejection(tenant, "too_large")
                     raise RequestTooLarge(reserve, limits, tier)
                 now = time.monotonic()
                 if not queued or now >= deadline:
                     waited = int((now - start) * 1000) if queued else 0
+                    _count_rejection(tenant, decision.reason or "requests")
                     raise RateLimited(decision, limits, tier, queued_ms=waited)
                 await asyncio.sleep(min(decision.retry_after_ms / 1000, QUEUE_POLL_S, deadline - now))
         except LimiterUnavailable as error:
@@ -101,6 +110,7 @@ class Admission:
             if fail_open:
                 log.warning("rate limiter unavailable, admitting (fail-open): %s", error)
                 return cls(None, tenant, request_id, limits, None)
+            _count_rejection(tenant, "unavailable")
             raise APIError(503, "Rate limiting is unavailable right now; please retry shortly.",
                            type="server_error", code="rate_limiter_unavailable",
                            headers={"retry-after": "1"}) from error  # fmt: skip
@@ -124,6 +134,13 @@ class Admission:
         self._released = True
         with anyio.CancelScope(shield=True):
             await _quietly(self.backend.release(self.tenant, self.request_id, used_tokens))
+
+
+def _count_rejection(tenant: str, reason: str) -> None:
+    try:
+        REJECTIONS.inc({"tenant": tenant, "reason": reason})
+    except Exception:  # metrics must never change a decision
+        log.exception("counting a limiter rejection failed")
 
 
 async def _quietly(call: "asyncio.Future[None] | object") -> None:

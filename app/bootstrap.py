@@ -9,6 +9,7 @@ from app.limits import LimiterBackend
 from app.metering_observer import MeteringObserver
 from app.metering_sink import DatabaseSink
 from app.outbox import Outbox
+from app.request_metrics import RequestMetrics
 from app.services import Services
 from app.settings import Settings
 from app.usage_delivery import MeteringSink, UsageDelivery
@@ -44,5 +45,5 @@ def build_services(
         limiter=limiter or LocalLimiter(),
         limiter_fail_open=limiter_fail_open,
         delivery=delivery,
-        observers=[MeteringObserver(outbox, delivery)],
+        observers=[MeteringObserver(outbox, delivery), RequestMetrics()],
     )

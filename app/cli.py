@@ -16,7 +16,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from app import cli_run
+from app import cli_ready, cli_run
 from app.cli_adapters import adapters_app
 from app.cli_billing import billing_app
 from app.cli_http import (
@@ -78,6 +78,7 @@ def build_app() -> typer.Typer:
         root.add_typer(group, name=name)
     root.command("up")(cli_run.up)
     root.command("status")(cli_run.status)
+    root.command("ready")(cli_ready.ready)
     return root
 
 

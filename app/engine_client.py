@@ -18,6 +18,11 @@ class EngineClient(Protocol):
         Closing the generator early aborts the request."""
         ...
 
+    async def ready(self, base_model: str) -> bool:
+        """Whether an engine of this base model has its model loaded and takes requests. Cheap; the caller
+        bounds how long it may take (a deployment whose replicas are all starting answers late)."""
+        ...
+
 
 class LocalEngineClient:
     def __init__(self, engines: dict[str, AsyncEngine]) -> None:
@@ -25,3 +30,7 @@ class LocalEngineClient:
 
     def generate(self, base_model: str, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         return self.engines[base_model].generate_request(request)
+
+    async def ready(self, base_model: str) -> bool:
+        engine = self.engines.get(base_model)
+        return engine is not None and engine.running

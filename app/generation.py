@@ -3,7 +3,8 @@
 The engine is asked for its first output before any HTTP status is sent, so bad input (context too long,
 unknown adapter, overload) still gets a proper 4xx/5xx instead of a 200 stream with an error inside.
 Whatever happens afterwards (completion, client disconnect, engine failure), the rate-limit lease is
-released with the tokens really used, and exactly one RequestRecord goes to the observers.
+released with the tokens really used, and exactly one RequestRecord goes to the observers; a request that
+ends before any engine took it (rate limits, bad input) is counted by request_metrics.refused instead.
 """
 
 import json
@@ -17,6 +18,7 @@ from typing import Any, Literal
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app import log_context, request_metrics
 from app.admission import Admission
 from app.authenticator import Principal
 from app.errors import APIError, to_api_error
@@ -43,6 +45,7 @@ from deployments.engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 MAX_RESTARTS = 2  # a non-streaming request whose replica died is run again at most this often
 
 
@@ -114,9 +117,27 @@ class Generation:
         body: SamplingFields,
     ) -> "Generation":
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # Not reset here: the middleware's reset ends the request's log context, after the stream.
+        log_context.bind(model=target.name, adapter=None if target.adapter is None else str(target.adapter))
         return cls(services, principal, target, request_id, kind, body.stream, include_usage)
 
     async def respond(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> JSONResponse | StreamingResponse:
+        try:
+            return await self._respond(prompt_ids, params)
+        except BaseException as error:
+            if not self._recorded:  # no engine took it, so no RequestRecord: count it here
+                self._count_refused(error)
+            raise
+
+    def _count_refused(self, error: BaseException) -> None:
+        try:
+            request_metrics.refused(self.principal.tenant_id, self.target.name, self.target.base.name, error)
+        except Exception:  # metrics must never change a response
+            log.exception("counting refused request %s failed", self.request_id)
+
+    async def _respond(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> JSONResponse | StreamingResponse:
         self.prompt_tokens = len(prompt_ids)
@@ -161,6 +182,8 @@ class Generation:
     def _capped(self, params: SamplingParams) -> SamplingParams:
         """The tier's max_tokens cap: asking for more is an error; asking for nothing means the cap."""
         cap = self.principal.limits.max_tokens_cap
+        if params.max_tokens is None and self.kind != "chat":  # OpenAI's default for completions, capped
+            params = replace(params, max_tokens=min(COMPLETIONS_MAX_TOKENS, cap or COMPLETIONS_MAX_TOKENS))
         if cap is None:
             return params
         if params.max_tokens is not None and params.max_tokens > cap:
@@ -333,6 +356,13 @@ class Generation:
             latency_ms=(time.monotonic() - self.started) * 1e3,
             stream=self.stream,
         )
+        log.info(
+            "generation %s: %s prompt + %s completion tokens in %.0f ms",
+            status,
+            "?" if usage is None else usage.prompt_tokens,
+            "?" if usage is None else usage.completion_tokens,
+            record.latency_ms,
+        )  # the log context adds request_id, tenant, model and adapter
         for observer in self.services.observers:
             try:
                 await observer.on_finish(record)

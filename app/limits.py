@@ -56,6 +56,25 @@ class Decision:
         return out
 
 
+@dataclass(frozen=True)
+class WindowState:
+    """A tenant's limiter state at one instant, as `peek` reads it: what the current window holds, whatever
+    the limits (so the caller applies the tenant's own)."""
+
+    requests: int  # admitted in the last minute
+    tokens: int  # reserved or used in the last minute
+    in_flight: int  # live concurrency leases
+    queued: int  # waiters still polling
+    reset_requests_ms: int  # until the request window is empty again
+    reset_tokens_ms: int
+
+    def remaining_requests(self, limits: Limits) -> int | None:
+        return None if limits.rpm is None else max(0, limits.rpm - self.requests)
+
+    def remaining_tokens(self, limits: Limits) -> int | None:
+        return None if limits.tpm is None else max(0, limits.tpm - self.tokens)
+
+
 def format_duration(ms: int) -> str:
     """OpenAI's reset format: `12ms`, `1s`, `6m0s`, `1m30.5s`."""
     if ms < 1000:
@@ -87,6 +106,10 @@ class LimiterBackend(Protocol):
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         """A queued request gave up (timeout or disconnect)."""
+        ...
+
+    async def peek(self, tenant: str) -> WindowState:
+        """The tenant's current window, read-only: nothing is admitted, reserved, queued or renewed."""
         ...
 
 

@@ -7,7 +7,7 @@ from fastapi import FastAPI
 
 from app.errors import install_error_handlers
 from app.middleware import RequestContextMiddleware
-from app.routes import admin, admin_adapters, completions, health, models, usage
+from app.routes import admin, admin_adapters, completions, health, limits, models, routing, usage, usage_page
 from app.services import Services
 
 
@@ -31,10 +31,13 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False) -> FastA
         completions.router,
         models.router,
         usage.router,
+        limits.router,
         admin.router,
         admin_adapters.router,
         usage.admin_router,
+        routing.router,
         health.router,
+        usage_page.router,
     )
     for router in routers:
         app.include_router(router)

@@ -6,7 +6,8 @@ collide with another tenant's running request, or be replayed to dodge a usage r
 
 A pure ASGI middleware (BaseHTTPMiddleware buffers and breaks streaming). It also turns any exception
 that escaped the routes into the OpenAI 500 shape, because Starlette's own last-resort handler sits
-outside the middleware stack and would drop the header.
+outside the middleware stack and would drop the header. It binds both ids to the log context, so every log
+line of the request carries them.
 """
 
 import logging
@@ -17,6 +18,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import log_context
 from app.errors import to_api_error
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class RequestContextMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
+        bound = log_context.bind(request_id=request_id, trace_id=trace_id)
         try:
             await self.app(scope, receive, send_with_id)
         except ClientDisconnect:  # the client went away mid-request: nobody to answer
@@ -64,6 +67,8 @@ class RequestContextMiddleware:
                 return
             response = to_api_error(error).response()
             await response(scope, receive, send_with_id)
+        finally:
+            log_context.reset(bound)
 
 
 def request_id_of(scope_state: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
 """UsageDelivery: the ingress's background task moving usage records from the outbox to metering.
 
 It batches (a write per request would be slow), wakes as soon as a record arrives, and backs off while
-metering is unreachable; records stay in the outbox until metering has acknowledged them.
+metering is unreachable; records stay in the outbox until metering has acknowledged them. After each round
+it publishes the outbox's size as the metering backlog gauge.
 """
 
 import asyncio
@@ -12,10 +13,13 @@ from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 
+from app.metrics import Gauge
 from app.outbox import Outbox
 from billing.usage import UsageRecord
 
 log = logging.getLogger(__name__)
+# The node's outbox, shared by its ingress replicas: each replica reports the same number for its node.
+BACKLOG = Gauge("loraplex_metering_backlog", "Usage records in the outbox, not yet in the database.", ())
 
 
 class MeteringSink(Protocol):
@@ -66,6 +70,12 @@ class UsageDelivery:
         self.delivered += len(ids)
         return len(ids)
 
+    async def publish_backlog(self) -> None:
+        try:
+            BACKLOG.set(await run_in_threadpool(self.outbox.pending), {})
+        except Exception as error:  # the outbox is busy, or metrics are: try again next round
+            log.warning("metering backlog not published: %s", error)
+
     async def _run(self) -> None:
         backoff = 0.5
         while True:
@@ -80,6 +90,7 @@ class UsageDelivery:
                 self.failures += 1
                 log.warning("usage delivery failed, retrying in %.1fs: %s", backoff, error)
                 timeout, backoff = backoff, min(backoff * 2, self.max_backoff_s)
+            await self.publish_backlog()
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)

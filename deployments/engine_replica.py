@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
+from app import log_context
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
 from billing.routing_report import live_replicas
@@ -17,6 +18,7 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
+from deployments.engine_metrics import EngineMetrics
 from deployments.engine_reporter import EngineReporter
 from deployments.registry_watcher import RegistryWatcher
 
@@ -39,11 +41,19 @@ log = logging.getLogger(__name__)
 
 class EngineReplica:
     def __init__(
-        self, engine_config: dict[str, Any], *, watch_registry: bool = True, report_interval_s: float = 15.0
+        self,
+        engine_config: dict[str, Any],
+        *,
+        watch_registry: bool = True,
+        report_interval_s: float = 15.0,
+        metrics_interval_s: float = 5.0,
     ) -> None:
+        log_context.route_to_serve()
         self.config = EngineConfig(**engine_config)
         self.engine = AsyncEngine(self.config)
         self.engine.engine.replica_name = _replica_name(self.config.name)
+        self.metrics = EngineMetrics(self.engine, base_model=self.config.name, interval_s=metrics_interval_s)
+        self.metrics.start()
         self.watcher: RegistryWatcher | None = None
         self.reporter: EngineReporter | None = None
         if watch_registry:
@@ -75,6 +85,12 @@ class EngineReplica:
         log.info("engine replica for %s ready", self.config.name)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        # This request's log lines here carry the ids the ingress's carry (cache_salt is the tenant).
+        log_context.bind(
+            request_id=request.request_id,
+            tenant=request.cache_salt,
+            adapter=None if request.adapter is None else str(request.adapter),
+        )
         async for output in self.engine.generate_request(request):
             yield output
 
@@ -94,6 +110,10 @@ class EngineReplica:
             "max_num_seqs": self.config.max_num_seqs,
         }
 
+    def ready(self) -> bool:
+        """For the ingress's /readyz: the model is loaded (the constructor did it) and the loop runs."""
+        return self.engine.running
+
     def check_health(self) -> None:
         """Serve restarts the replica if the engine loop has died."""
         if self.engine._error is not None:
@@ -105,6 +125,9 @@ class EngineReplica:
             self.reporter.report_once()
 
     def __del__(self) -> None:
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.stop()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.stop()

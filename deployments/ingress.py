@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app import log_context
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
 from app.limits import LimiterBackend
@@ -39,6 +40,7 @@ class Ingress:
         rate_limiter: dict[str, Any] | None = None,
         metering: DeploymentHandle[Any] | None = None,
     ) -> None:
+        log_context.route_to_serve()
         self.settings = Settings()
         specs = {
             name: BaseModelSpec(

@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
+from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits, WindowState
 from deployments.limiter_state import LimiterState
 
 ACTOR_NAME = "loraplex-rate-limiter"
@@ -34,6 +34,9 @@ class LimiterActor:
 
     def leave_queue(self, tenant: str, request_id: str) -> None:
         self.state.leave_queue(tenant, request_id)
+
+    def peek(self, tenant: str) -> WindowState:
+        return self.state.peek(tenant)
 
 
 class RayLimiter(LimiterBackend):
@@ -65,3 +68,7 @@ class RayLimiter(LimiterBackend):
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         await self._call(self._actor.leave_queue.remote(tenant, request_id))
+
+    async def peek(self, tenant: str) -> WindowState:
+        state: WindowState = await self._call(self._actor.peek.remote(tenant))
+        return state

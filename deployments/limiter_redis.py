@@ -27,7 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from app.limits import WINDOW_MS, Decision, LimiterBackend, LimiterUnavailable, Limits, Reason
+from app.limits import WINDOW_MS, Decision, LimiterBackend, LimiterUnavailable, Limits, Reason, WindowState
 from deployments.limiter_state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS
 
 QUEUED_RETRY_MS = 50  # LimiterState's literal for a waiter that is not at the head of the queue
@@ -215,6 +215,33 @@ return 0
 """
 )
 
+# ARGV: window, queue stale (ms). Returns {requests, reset_requests, tokens, reset_tokens, leases, queued}.
+# Read-only, unlike admit's expiry pass: it counts what that pass would keep, so a peek writes nothing.
+_PEEK = (
+    _PRELUDE
+    + """
+local window, stale = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = now_ms()
+local horizon = now - window
+
+local function reset(key)
+  local last = redis.call('ZRANGE', KEYS[key], -1, -1, 'WITHSCORES')
+  if #last == 0 then return 0 end
+  return math.max(0, tonumber(last[2]) + window - now)
+end
+
+local tokens = tonumber(redis.call('GET', KEYS[TOKENS_TOTAL]) or '0')
+local gone = redis.call('ZRANGEBYSCORE', KEYS[TOKENS_AT], '-inf', horizon)
+for i = 1, #gone, 1000 do
+  local amounts = redis.call('HMGET', KEYS[TOKENS_N], unpack(gone, i, math.min(i + 999, #gone)))
+  for j = 1, #amounts do tokens = tokens - (tonumber(amounts[j]) or 0) end
+end
+return {redis.call('ZCOUNT', KEYS[REQUESTS], '(' .. horizon, '+inf'), reset(REQUESTS), tokens,
+        reset(TOKENS_AT), redis.call('ZCOUNT', KEYS[LEASES], '(' .. now, '+inf'),
+        redis.call('ZCOUNT', KEYS[QUEUE_SEEN], '(' .. (now - stale), '+inf')}
+"""
+)
+
 
 def _limit(value: int | None) -> int:
     return -1 if value is None else value
@@ -251,6 +278,7 @@ class RedisLimiter(LimiterBackend):
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
         self._leave_queue = self._redis.register_script(_LEAVE_QUEUE)
+        self._peek = self._redis.register_script(_PEEK)
 
     @property
     def key_prefix(self) -> str:
@@ -305,6 +333,18 @@ class RedisLimiter(LimiterBackend):
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         await self._run(self._leave_queue, tenant, [request_id])
+
+    async def peek(self, tenant: str) -> WindowState:
+        reply = await self._run(self._peek, tenant, [WINDOW_MS, QUEUE_STALE_MS])
+        requests, reset_requests, tokens, reset_tokens, in_flight, queued = (int(v) for v in reply)
+        return WindowState(
+            requests=requests,
+            tokens=tokens,
+            in_flight=in_flight,
+            queued=queued,
+            reset_requests_ms=reset_requests,
+            reset_tokens_ms=reset_tokens,
+        )
 
     async def aclose(self) -> None:
         """Close the pool's connections (the limiter cannot be used afterwards)."""

@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from app.limits import WINDOW_MS, Decision, LimiterBackend, Limits, Reason
+from app.limits import WINDOW_MS, Decision, LimiterBackend, Limits, Reason, WindowState
 
 QUEUE_STALE_MS = 2_000  # a waiter that has not polled for this long has given up
 CONCURRENCY_RETRY_MS = 250  # nobody knows when a running request ends: poll again soon
@@ -95,6 +95,25 @@ class LimiterState:
         if t is not None:
             t.queue.pop(request_id, None)
 
+    def peek(self, tenant: str, now: int | None = None) -> WindowState:
+        """What _expire would keep, counted without expiring anything: a read never changes state."""
+        now = self.now_ms() if now is None else now
+        t = self._tenants.get(tenant)  # not setdefault: reading an unknown tenant leaves no trace
+        if t is None:
+            return WindowState(requests=0, tokens=0, in_flight=0, queued=0, reset_requests_ms=0,
+                               reset_tokens_ms=0)  # fmt: skip
+        horizon = now - WINDOW_MS
+        requests = [when for when in t.requests.values() if when > horizon]  # oldest first
+        tokens = [(when, n) for when, n in t.tokens.values() if when > horizon]
+        return WindowState(
+            requests=len(requests),
+            tokens=sum(n for _, n in tokens),
+            in_flight=sum(1 for expiry in t.leases.values() if expiry > now),
+            queued=sum(1 for seen in t.queue.values() if seen > now - QUEUE_STALE_MS),
+            reset_requests_ms=requests[-1] + WINDOW_MS - now if requests else 0,
+            reset_tokens_ms=tokens[-1][0] + WINDOW_MS - now if tokens else 0,
+        )
+
     def _expire(self, t: _Tenant, now: int) -> None:
         horizon = now - WINDOW_MS
         while t.requests and next(iter(t.requests.values())) <= horizon:
@@ -158,3 +177,6 @@ class LocalLimiter(LimiterBackend):
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         self.state.leave_queue(tenant, request_id)
+
+    async def peek(self, tenant: str) -> WindowState:
+        return self.state.peek(tenant)

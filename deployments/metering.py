@@ -9,6 +9,7 @@ import logging
 import threading
 from datetime import UTC, datetime, timedelta
 
+from app import log_context
 from app.metering_sink import DatabaseSink
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 class Metering:
     def __init__(self, *, rollup_interval_s: float = 300.0, rollup_lookback_h: int = 6) -> None:
+        log_context.route_to_serve()
         settings = Settings()
         self.sessions = make_session_factory(make_engine(settings.resolved_database_url()))
         self.sink = DatabaseSink(self.sessions)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 class ServeEngineClient:
     def __init__(self, handles: dict[str, DeploymentHandle[Any]], *, attempts: int = 3) -> None:
+        self._plain = dict(handles)
         self._handles = {name: h.options(stream=True) for name, h in handles.items()}
         self._attempts = attempts
 
@@ -57,3 +58,16 @@ class ServeEngineClient:
                 if not finished:  # our caller left early, or the replica is gone: cancel, which aborts
                     stream.cancel()  # type: ignore[no-untyped-call]
             log.warning("request %s lost its engine replica before any output; retrying", request.request_id)
+
+    async def ready(self, base_model: str) -> bool:
+        """One replica of the deployment answers that its engine runs. A replica only takes calls once its
+        constructor (the model load) finished, so a deployment still loading answers late, not wrongly."""
+        handle = self._plain.get(base_model)
+        if handle is None:
+            return False
+        response = handle.ready.remote()
+        try:
+            return bool(await response)
+        except BaseException:  # e.g. the caller's timeout: don't leave the call queued for a replica
+            response.cancel()  # type: ignore[no-untyped-call]
+            raise

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from app import log_context
 from app.admin_auth import check_admin_key
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
@@ -22,7 +23,10 @@ class TenantRoute(APIRoute):
 
         async def authenticated(request: Request) -> Response:
             authenticator = request.app.state.services.authenticator
-            request.state.principal = await authenticator.authenticate(request.headers.get("authorization"))
+            principal = await authenticator.authenticate(request.headers.get("authorization"))
+            request.state.principal = principal
+            # Not reset here: a streamed body is sent after this returns. The middleware's reset ends it.
+            log_context.bind(tenant=principal.tenant_id)
             return await handler(request)
 
         return authenticated

@@ -13,6 +13,8 @@ from app.schemas.routing import ModelRoutingOut, RoutingList
 from billing.routing_report import routing_report
 
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
+# Longer than any replica lives; bounded so that `now - within_s` stays a datetime (no OverflowError).
+MAX_WITHIN_S = 10 * 365 * 24 * 3600.0
 
 
 @router.get("/routing")
@@ -21,7 +23,8 @@ def admin_routing(
     services: ServicesDep,
     model: Annotated[str | None, Query(description="One base model; default: all.")] = None,
     within_s: Annotated[
-        float | None, Query(gt=0, description="Only replicas that reported in the last within_s seconds.")
+        float | None,
+        Query(gt=0, le=MAX_WITHIN_S, description="Only replicas that reported in the last within_s seconds."),
     ] = None,
 ) -> RoutingList:
     within = timedelta(seconds=within_s) if within_s is not None else None

@@ -30,13 +30,17 @@ End = Annotated[datetime, Query(description="End of the period (ISO 8601, exclus
 GroupByQuery = Annotated[GroupBy, Query(description="hour, adapter (within base model), or model.")]
 
 
-def _utc(moment: datetime) -> datetime:
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+def _utc(moment: datetime, param: str) -> datetime:
+    """In UTC (naive: already UTC); 400 naming `param` when its offset moves it past year 1 or 9999."""
+    try:
+        return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    except OverflowError:
+        raise APIError(400, f"{param} is out of range once converted to UTC", param=param) from None
 
 
 def usage_period(start: datetime, end: datetime) -> tuple[datetime, datetime]:
     """(start, end) in UTC; 400 naming `end` unless start < end <= start + 93 days."""
-    start, end = _utc(start), _utc(end)
+    start, end = _utc(start, "start"), _utc(end, "end")
     if end <= start:
         raise APIError(400, "end must be after start", param="end")
     if end - start > MAX_USAGE_SPAN:
@@ -89,6 +93,7 @@ def tenant_bill(
 ) -> BillOut:
     """The tenant's bill for the rolled-up hours in [start, end), at its tier's current prices; amounts
     are decimal strings with 6 decimals. Hours not rolled up yet (the current one) are not in it."""
+    start, end = _utc(start, "start"), _utc(end, "end")
     try:
         with services.session_factory() as session:
             return BillOut.model_validate(pricing.bill(session, tenant_id=tenant_id, start=start, end=end))

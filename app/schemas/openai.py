@@ -5,6 +5,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
+from deployments.engine.sampling_params import MIN_REPETITION_PENALTY  # the sampler's float32 floor
+
 MAX_STOP = 4  # as OpenAI
 
 
@@ -40,7 +42,7 @@ class SamplingFields(_Request):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=10)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
@@ -85,7 +87,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(description="Text, or token ids.")
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # absent: 16 (OpenAI's default), within the cap
     echo: Literal[False] = False
 
     @field_validator("prompt")

@@ -136,6 +136,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def running(self) -> bool:
+        """The model is loaded (construction did that) and the loop is taking requests."""
+        return not self._stopped.is_set() and self._error is None and self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stopped.set()
         self._wake()

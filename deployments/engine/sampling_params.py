@@ -6,6 +6,8 @@ from deployments.engine.errors import InvalidSamplingParams
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
+# Below this, dividing a logit by the penalty overflows float32 (inf, then NaN probabilities).
+MIN_REPETITION_PENALTY = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +46,8 @@ class SamplingParams:
             raise bad("top_k", self.top_k, ">= 0 (0 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "between 0 and 1")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 10]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", self.repetition_penalty, f"in [{MIN_REPETITION_PENALTY:g}, 10]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "between -2 and 2")
         if not -2.0 <= self.frequency_penalty <= 2.0:

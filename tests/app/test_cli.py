@@ -190,3 +190,24 @@ def test_db_upgrade_current_downgrade(tmp_path: Path, monkeypatch: pytest.Monkey
     assert unknown.exit_code == 1
     assert "nosuchrevision" in unknown.stderr
     assert "Traceback" not in unknown.output
+
+
+def test_ready_waits_for_readyz_and_names_what_is_not_ready(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ok = CliRunner().invoke(build_app(), ["--url", served.url, "--json", "ready", "--wait", "5"])
+    assert ok.exit_code == 0, ok.output
+    assert as_json(ok)["checks"]["database"] == "ok"
+
+    async def not_loaded(base_model: str) -> bool:
+        return False
+
+    monkeypatch.setattr(served.services.engine, "ready", not_loaded)
+    waiting = CliRunner().invoke(build_app(), ["--url", served.url, "ready", "--wait", "1.5"])
+    assert waiting.exit_code == 1
+    assert "not ready after 1.5s: engine:tiny-llama: failed" in waiting.stderr
+
+    nobody = CliRunner().invoke(
+        build_app(), ["--url", f"http://127.0.0.1:{free_port()}", "ready", "--wait", "0"]
+    )
+    assert nobody.exit_code == 1 and "unreachable" in nobody.stderr

@@ -178,6 +178,13 @@ def test_max_tokens_cap(served: Served) -> None:
     headers = {"authorization": f"Bearer {key}"}
     absent = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, json=body, timeout=60)
     assert absent.status_code == 200 and absent.json()["usage"]["completion_tokens"] <= 8
+    # /v1/completions defaults to 16 tokens (as OpenAI): under a smaller cap the default is the cap.
+    plain = {"model": MODEL, "prompt": "hi", "temperature": 0}
+    default = httpx.post(f"{served.url}/v1/completions", headers=headers, json=plain, timeout=60)
+    assert default.status_code == 200, default.text
+    answer = default.json()
+    assert answer["usage"]["completion_tokens"] == 8 or answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] <= 8
 
 
 class DownLimiter:

@@ -38,6 +38,7 @@ class ServeApp:
     url: str
     data_dir: Path
     setups: dict[str, TinySetup]
+    metrics_url: str = ""  # the node's Prometheus export (Ray's metrics agent)
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
@@ -87,11 +88,13 @@ def serve_app(
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the local cluster's workers inherit this process's environment
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
-             runtime_env={"env_vars": env})  # fmt: skip
+             runtime_env={"env_vars": env}, _metrics_export_port=metrics_port)  # fmt: skip
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = ServeApp(f"http://127.0.0.1:{port}", data_dir, tiny_setups)
+    app = ServeApp(
+        f"http://127.0.0.1:{port}", data_dir, tiny_setups, f"http://127.0.0.1:{metrics_port}/metrics"
+    )
     app.deploy(
         {
             "models": [

@@ -258,6 +258,7 @@ def test_empty_batch_and_shape_check():
         ("top_k", -1),
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", 5e-324),  # would overflow logits to inf in float32
         ("presence_penalty", 2.1),
         ("frequency_penalty", -2.1),
         ("seed", -1),

@@ -1,0 +1,114 @@
+"""GET /v1/limits: the calling tenant's rate limits and its headroom in the current window.
+
+Headroom is read with the limiter backend's `peek`, which admits, reserves and renews nothing: reading it
+as often as you like never costs a request or a token. The response carries the same x-ratelimit-*
+headers an admitted request gets, so clients can read either.
+"""
+
+from typing import Literal
+
+from fastapi import APIRouter, Response
+from pydantic import BaseModel, Field
+
+from app.deps import ServicesDep, TenantDep
+from app.errors import APIError
+from app.limits import WINDOW_MS, Decision, LimiterUnavailable, Limits, WindowState
+from app.routes.guarded import TenantRoute
+
+router = APIRouter(prefix="/v1", tags=["limits"], route_class=TenantRoute)
+
+
+class TierLimitsOut(BaseModel):
+    """The tier's limits with the tenant's overrides applied; null means unlimited."""
+
+    rpm: int | None = Field(description="Requests per minute.")
+    tpm: int | None = Field(description="Tokens per minute (prompt + max_tokens, then what was used).")
+    max_concurrent: int | None = Field(description="Requests in flight at once.")
+    max_tokens_cap: int | None = Field(description="The largest max_tokens a request may ask for.")
+    on_limit: Literal["reject", "queue"] = Field(description="Over a limit: 429 at once, or wait in a queue.")
+    max_queue_ms: int = Field(description="How long a queued request may wait before its 429.")
+
+
+class HeadroomOut(BaseModel):
+    """What is left in the current one-minute window; `remaining_*` are null for unlimited dimensions."""
+
+    requests: int = Field(description="Requests admitted in the last minute.")
+    remaining_requests: int | None
+    reset_requests_ms: int = Field(description="Until the request window is empty again.")
+    tokens: int = Field(description="Tokens counted in the last minute.")
+    remaining_tokens: int | None
+    reset_tokens_ms: int = Field(description="Until the token window is empty again.")
+    in_flight: int = Field(description="Requests running now.")
+    remaining_concurrent: int | None
+    queued: int = Field(description="Requests waiting in the queue.")
+
+
+class RateLimitsOut(BaseModel):
+    object: Literal["rate_limits"] = "rate_limits"
+    tier: str
+    window_ms: int = Field(description="Length of the sliding window the rpm and tpm limits apply to.")
+    limits: TierLimitsOut
+    headroom: HeadroomOut | None = Field(
+        description="null when the tier has no limit at all: admission then counts nothing to report."
+    )
+
+
+def _headroom(state: WindowState, limits: Limits) -> HeadroomOut:
+    concurrent = None if limits.max_concurrent is None else max(0, limits.max_concurrent - state.in_flight)
+    return HeadroomOut(
+        requests=state.requests,
+        remaining_requests=state.remaining_requests(limits),
+        reset_requests_ms=state.reset_requests_ms,
+        tokens=state.tokens,
+        remaining_tokens=state.remaining_tokens(limits),
+        reset_tokens_ms=state.reset_tokens_ms,
+        in_flight=state.in_flight,
+        remaining_concurrent=concurrent,
+        queued=state.queued,
+    )
+
+
+def _headers(state: WindowState, limits: Limits) -> dict[str, str]:
+    # A Decision only to reuse its header rendering, so both endpoints format them identically.
+    decision = Decision(
+        admitted=True,
+        reason=None,
+        retry_after_ms=0,
+        limit_requests=limits.rpm,
+        remaining_requests=state.remaining_requests(limits),
+        reset_requests_ms=state.reset_requests_ms,
+        limit_tokens=limits.tpm,
+        remaining_tokens=state.remaining_tokens(limits),
+        reset_tokens_ms=state.reset_tokens_ms,
+    )
+    return decision.headers()
+
+
+@router.get("/limits")
+async def rate_limits(principal: TenantDep, services: ServicesDep, response: Response) -> RateLimitsOut:
+    """The calling tenant's limits and current headroom; reading them consumes nothing."""
+    limits = principal.limits
+    headroom = None
+    if not limits.unlimited:
+        try:
+            state = await services.limiter.peek(principal.tenant_id)
+        except LimiterUnavailable as error:
+            # Unlike admission, fail-open has nothing to let through here: the state is just unknown.
+            raise APIError(503, "Rate limiting is unavailable right now; please retry shortly.",
+                           type="server_error", code="rate_limiter_unavailable",
+                           headers={"retry-after": "1"}) from error  # fmt: skip
+        headroom = _headroom(state, limits)
+        response.headers.update(_headers(state, limits))
+    return RateLimitsOut(
+        tier=principal.tier,
+        window_ms=WINDOW_MS,
+        limits=TierLimitsOut(
+            rpm=limits.rpm,
+            tpm=limits.tpm,
+            max_concurrent=limits.max_concurrent,
+            max_tokens_cap=limits.max_tokens_cap,
+            on_limit=limits.on_limit,
+            max_queue_ms=limits.max_queue_ms,
+        ),
+        headroom=headroom,
+    )
