@@ -18,6 +18,7 @@ from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
 from app.metrics import Counter
 
 log = logging.getLogger(__name__)
+_RETRIES: set["asyncio.Future[None]"] = set()  # background release retries, kept from the GC
 RENEW_EVERY_S = 30.0  # leases last minutes; a long stream renews well before they lapse
 QUEUE_POLL_S = 0.025
 
@@ -133,7 +134,27 @@ class Admission:
             return
         self._released = True
         with anyio.CancelScope(shield=True):
-            await _quietly(self.backend.release(self.tenant, self.request_id, used_tokens))
+            try:
+                await self.backend.release(self.tenant, self.request_id, used_tokens)
+            except Exception as error:  # the limiter is away: keep trying, or the lease holds a slot
+                log.warning("releasing %s failed, retrying in the background: %s", self.request_id, error)
+                retry = asyncio.ensure_future(self._release_until_done(used_tokens))
+                _RETRIES.add(retry)
+                retry.add_done_callback(_RETRIES.discard)
+
+    async def _release_until_done(self, used_tokens: int) -> None:
+        """Release is idempotent per request id, so retrying is safe; past the lease's life it has expired."""
+        assert self.backend is not None
+        deadline = time.monotonic() + self.limits.lease_ttl_ms / 1000
+        wait = 0.5
+        while time.monotonic() < deadline:
+            await asyncio.sleep(wait)
+            try:
+                await self.backend.release(self.tenant, self.request_id, used_tokens)
+                return
+            except Exception:
+                wait = min(wait * 2, 5.0)
+        log.warning("gave up releasing %s: its lease has expired by now", self.request_id)
 
 
 def _count_rejection(tenant: str, reason: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound
@@ -107,6 +108,12 @@ def to_api_error(error: Exception) -> APIError:
         return APIError(400, str(error), param=error.field, code="invalid_limits")
     if isinstance(error, AdapterError | BillingError | EngineError):
         return APIError(400, str(error))
+    if isinstance(error, OperationalError | InterfaceError):  # unreachable, refusing, or locked: transient
+        log.warning("database unavailable: %s", error)
+        message = "The platform's database is unavailable right now; please retry shortly."
+        return APIError(
+            503, message, type="server_error", code="database_unavailable", headers={"retry-after": "1"}
+        )
     log.exception("unhandled error", exc_info=error)
     message = "The server had an error while processing your request."
     return APIError(500, message, type="server_error", code="internal_error")

@@ -23,7 +23,7 @@ class Limits:
     max_tokens_cap: int | None = None  # largest max_tokens a request may ask for; the reservation if absent
     on_limit: Literal["reject", "queue"] = "reject"
     max_queue_ms: int = 0
-    lease_ttl_ms: int = 600_000  # a concurrency lease nobody renews or releases expires after this
+    lease_ttl_ms: int = 120_000  # a lease nobody renews (every 30 s) or releases expires after this
 
     @property
     def unlimited(self) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from app.limits import WINDOW_MS, Decision, LimiterBackend, LimiterUnavailable, Limits, Reason, WindowState
 from deployments.limiter_state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS
@@ -293,6 +293,10 @@ class RedisLimiter(LimiterBackend):
             async with asyncio.timeout(self._timeout):
                 return await script(keys=self.keys(tenant), args=args)
         except (RedisError, TimeoutError, OSError) as error:
+            if not isinstance(error, ResponseError):  # the connection, not the script: drop idle sockets
+                # Connections that sat idle through an outage are dead but look open; without this, each
+                # fails once on its next use, long after Redis came back.
+                await self._redis.connection_pool.disconnect(inuse_connections=False)
             raise LimiterUnavailable(f"redis rate limiter unavailable: {error!r}") from error
 
     async def admit(

@@ -443,3 +443,18 @@ def test_a_refused_request_leaves_the_server_serving(client: httpx.Client) -> No
     r = client.post(CHAT, json=chat_body(temperature=0))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_an_unavailable_database_is_a_503_not_a_500(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    def refused() -> Any:
+        raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
+    monkeypatch.setattr(served.services, "session_factory", refused)
+    with served.admin() as admin:
+        answer = admin.get("/admin/tenants")
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+    error = answer.json()["error"]
+    assert (error["code"], error["type"]) == ("database_unavailable", "server_error")
+    assert "refused" not in error["message"]  # the driver's details stay in the log

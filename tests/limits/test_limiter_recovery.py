@@ -1,0 +1,70 @@
+"""After a limiter outage: a release that failed is retried until it lands (else the lease would hold a
+concurrency slot until it expires), and Redis connections that died during the outage are replaced
+instead of failing one by one long after Redis is back."""
+
+import asyncio
+
+import pytest
+import redis
+
+from app.admission import Admission
+from app.limits import LimiterUnavailable, Limits
+from deployments.limiter_redis import RedisLimiter
+from deployments.limiter_state import LocalLimiter
+
+LIMITS = Limits(max_concurrent=2)
+
+
+class FlakyRelease(LocalLimiter):
+    """The limiter is away for the first `failures` releases."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise LimiterUnavailable("connection refused")
+        await super().release(tenant, request_id, used_tokens)
+
+
+async def test_a_failed_release_is_retried_until_the_lease_is_gone() -> None:
+    backend = FlakyRelease(failures=2)
+    admission = await Admission.acquire(
+        backend, tenant="t", tier="x", request_id="r1", limits=LIMITS, reserve=10, fail_open=False
+    )
+    await admission.release(3)  # fails: returns at once all the same
+    assert (await backend.peek("t")).in_flight == 1
+    for _ in range(40):
+        if (await backend.peek("t")).in_flight == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert (await backend.peek("t")).in_flight == 0 and backend.failures == 0
+    assert (await backend.peek("t")).tokens == 3  # reconciled to what was used
+
+
+async def test_redis_connections_killed_by_an_outage_are_replaced(redis_limiter: RedisLimiter) -> None:
+    async def admit_many(prefix: str, n: int = 25) -> list[bool]:
+        results = await asyncio.gather(
+            *(redis_limiter.admit("t", f"{prefix}{i}", Limits(rpm=1000), 1, queued=False) for i in range(n)),
+            return_exceptions=True,
+        )
+        return [not isinstance(r, BaseException) and r.admitted for r in results]
+
+    assert all(await admit_many("warm"))  # the pool now holds idle connections
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        client.client_kill_filter(_type="normal", skipme=True)  # the outage: every connection dies
+    finally:
+        client.close()
+    assert await admit_many("during", n=1) == [False]  # the first request meets a dead connection: a 503
+    after = await admit_many("after")
+    assert all(after), after  # one failure dropped every idle dead connection: no late failures
+
+
+@pytest.fixture(autouse=True)
+def _reset_admission_retries() -> None:
+    from app import admission
+
+    admission._RETRIES.clear()
