@@ -195,7 +195,7 @@ class LLMEngine:
         start = time.perf_counter()
         try:
             logits = self.runner.run(plan.scheduled)
-            tokens = self.sampler.sample(logits, [self._sampling_row(s.seq) for s in sampling])
+            tokens = self._sample(logits, sampling)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as error:  # keep serving: fail this step's requests, not the engine
@@ -203,12 +203,34 @@ class LLMEngine:
             return outputs + self._fail(plan.scheduled, f"engine step failed: {error}")
         elapsed = time.perf_counter() - start
         self._account(plan.scheduled, elapsed)
+        broken = [item for item, token in zip(sampling, tokens, strict=True) if isinstance(token, str)]
         for item in plan.scheduled:
-            item.seq.num_computed += item.num_tokens
-            self.blocks.commit(item.seq)
+            if item not in broken:
+                item.seq.num_computed += item.num_tokens
+                self.blocks.commit(item.seq)
         for item, token in zip(sampling, tokens, strict=True):
-            outputs.append(self._append_token(item.seq, token))
+            if isinstance(token, str):  # only the row that could not be sampled fails
+                outputs += self._fail([item], f"sampling failed: {token}")
+            else:
+                outputs.append(self._append_token(item.seq, token))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> list[int | str]:
+        """A token per row, or for a row that cannot be sampled the error, so that one request's bad
+        parameters never fail its batch neighbours. The per-row retry only runs after a failure (a seeded
+        row may then draw from a generator the failed batch call already advanced)."""
+        rows = [self._sampling_row(s.seq) for s in sampling]
+        try:
+            return list(self.sampler.sample(logits, rows))
+        except Exception:
+            log.exception("sampling the step failed; sampling its rows one by one")
+        tokens: list[int | str] = []
+        for i, row in enumerate(rows):
+            try:
+                tokens.append(self.sampler.sample(logits[i : i + 1], [row])[0])
+            except Exception as error:
+                tokens.append(str(error) or type(error).__name__)
+        return tokens
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         penalised = seq.params.uses_penalties

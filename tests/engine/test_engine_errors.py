@@ -100,3 +100,23 @@ def test_adapter_that_fails_to_load_fails_only_its_request(llama: TinySetup, tmp
     assert outputs["good"][-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     store.delete("broken-adapter")
     engine.close()
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone(llama: TinySetup, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(llama)
+    sample = engine.sampler.sample
+
+    def fragile(logits, rows):  # type: ignore[no-untyped-def]
+        if any(row.params.seed == 666 for row in rows):  # stands for parameters that overflow the sampler
+            raise IndexError("index out of range")
+        return sample(logits, rows)
+
+    monkeypatch.setattr(engine.sampler, "sample", fragile)
+    engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=8, seed=666))
+    engine.add_request("good", [4, 5, 6], GREEDY, llama.refs["demo-sql"])
+    outputs = drain(engine)
+    assert outputs["bad"][-1].finish_reason is FinishReason.ERROR
+    assert outputs["good"][-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert len(tokens(outputs["good"])) >= 1
+    assert engine.stats().running == 0 and engine.blocks.usage == 0  # the failed row's blocks are free
+    engine.close()
