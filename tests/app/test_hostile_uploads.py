@@ -479,11 +479,14 @@ def peak_disk_use(directory: Path) -> Iterator[list[int]]:
     def sample() -> None:
         while not done.is_set():
             total = 0
-            for path in directory.rglob("*"):
-                try:
-                    total += path.lstat().st_size if path.is_file() else 0
-                except FileNotFoundError:  # removed while we looked
-                    continue
+            try:
+                for path in directory.rglob("*"):
+                    try:
+                        total += path.lstat().st_size if path.is_file() else 0
+                    except FileNotFoundError:  # removed while we looked
+                        continue
+            except FileNotFoundError:  # a directory went away mid-walk: what was counted still counts
+                pass
             peak[0] = max(peak[0], total)
             done.wait(0.002)
 
