@@ -15,7 +15,7 @@ from sqlalchemy import text
 from app.services import Services
 
 CHECK_TIMEOUT_S = 2.0
-PROBE = "__readyz__"  # the limiter probe's tenant and request id: nobody's, so the probe changes nothing
+PROBE = "__readyz__"  # the limiter probe's tenant: nobody's
 OK = "ok"
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class Readiness:
         await asyncio.shield(self._database_probe)
 
     async def _limiter(self) -> None:
-        # Leaving the queue of a request that never queued: a round trip to the shared state, no effect.
-        await self.services.limiter.leave_queue(PROBE, PROBE)
+        # The read-only peek: a round trip to the shared state that changes nothing.
+        await self.services.limiter.peek(PROBE)
 
     def _engine(self, base_model: str) -> Callable[[], Awaitable[None]]:
         async def probe() -> None:

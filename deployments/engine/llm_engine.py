@@ -203,9 +203,9 @@ class LLMEngine:
             return outputs + self._fail(plan.scheduled, f"engine step failed: {error}")
         elapsed = time.perf_counter() - start
         self._account(plan.scheduled, elapsed)
-        broken = [item for item, token in zip(sampling, tokens, strict=True) if isinstance(token, str)]
+        broken = {id(item) for item, token in zip(sampling, tokens, strict=True) if isinstance(token, str)}
         for item in plan.scheduled:
-            if item not in broken:
+            if id(item) not in broken:
                 item.seq.num_computed += item.num_tokens
                 self.blocks.commit(item.seq)
         for item, token in zip(sampling, tokens, strict=True):

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.limits import WindowState
 from app.log_context import attach
 from app.metrics import MEMORY
 from billing.db import make_engine, make_session_factory
@@ -81,8 +82,9 @@ def test_readyz_names_a_limiter_outage(served: Served, monkeypatch: pytest.Monke
 class HungLimiter(DownLimiter):
     """A limiter whose connection hangs: every call waits forever."""
 
-    async def leave_queue(self, tenant: str, request_id: str) -> None:
+    async def peek(self, tenant: str) -> WindowState:
         await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
 
 
 def test_readyz_never_hangs(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:

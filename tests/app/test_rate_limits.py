@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from app.limits import Decision, LimiterUnavailable, Limits
+from app.limits import Decision, LimiterUnavailable, Limits, WindowState
 from billing.models import Tier
 from tests.app.conftest import MODEL, Served
 
@@ -200,6 +200,9 @@ class DownLimiter:
         raise LimiterUnavailable("connection refused")
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
+        raise LimiterUnavailable("connection refused")
+
+    async def peek(self, tenant: str) -> WindowState:
         raise LimiterUnavailable("connection refused")
 
 

@@ -33,7 +33,6 @@ class FakeReplica:
 def make_router(spill_factor: float = 1.5) -> AdapterAwareRouter:
     router = AdapterAwareRouter.__new__(AdapterAwareRouter)  # Serve's constructor needs a live controller
     router.initialize_state(spill_factor=spill_factor)
-    router.__dict__["_queue_lens"] = {}
     return router
 
 
