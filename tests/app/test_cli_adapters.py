@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from app.cli import build_app
-from app.cli_adapters import FilePart, MultipartBody
+from app.cli.adapters import FilePart, MultipartBody
 from tests.app.conftest import MODEL, Served, free_port
 
 WEIGHTS = "adapter_model.safetensors"

@@ -2,7 +2,7 @@
 
 Uploads are streamed: the multipart/form-data body is produced chunk by chunk from the files on disk
 (`MultipartBody`), so a multi-GB adapter never sits in memory, and a progress bar on stderr counts the
-bytes sent. Everything else goes through the shared admin client (app.cli_http).
+bytes sent. Everything else goes through the shared admin client (app.cli.common).
 """
 
 import os
@@ -11,11 +11,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import httpx
 import typer
-from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -25,21 +24,21 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
-from rich.text import Text
 
-from app.cli_http import (
+from app.cli.common import (
     EXIT_USAGE,
     JSON,
+    URL_HINT,
     admin_client,
     confirmed_delete,
     emit,
     fail,
     fail_from_response,
-    fmt_time,
     options,
+    segment,
     stdout,
 )
+from app.cli.output import cells, fmt_time, record, table
 
 adapters_app = typer.Typer(
     help="LoRA adapters: upload (PEFT directory or archive), list, show, pin, delete.", no_args_is_help=True
@@ -290,8 +289,7 @@ def _answer(
     if isinstance(outcome, httpx.ConnectError | httpx.ConnectTimeout):
         fail(f"cannot reach {url}: is the platform running? (set --url or LORAPLEX_URL)", code=EXIT_USAGE)
     if isinstance(outcome, httpx.InvalidURL | httpx.UnsupportedProtocol):
-        hint = "give the platform's base URL, e.g. --url http://127.0.0.1:8000"
-        fail(f"invalid platform URL {url!r}: {outcome}", code=EXIT_USAGE, hint=hint)
+        fail(f"invalid platform URL {url!r}: {outcome}", code=EXIT_USAGE, hint=URL_HINT)
     if isinstance(outcome, httpx.ReadTimeout) and sent >= total:
         fail(
             f"sent the adapter to {url}, but no answer came within {UPLOAD_TIMEOUT.read:.0f} s",
@@ -321,7 +319,7 @@ def _answer(
 def _print_uploaded(adapter: JSON) -> None:
     console = stdout()
     console.print(
-        _record(
+        record(
             "Uploaded adapter",
             [
                 ("id", adapter.get("id")),
@@ -334,6 +332,7 @@ def _print_uploaded(adapter: JSON) -> None:
                 ("sha256", _sha(adapter.get("sha256"))),
                 ("size", _size(adapter.get("size_bytes"))),
             ],
+            pad_edge=False,
         )
     )
     who = "every tenant" if adapter.get("owner") == "public" else f"tenant {adapter.get('owner')}"
@@ -374,11 +373,11 @@ def _print_adapters(listing: JSON, *, filtered: bool) -> None:
         message = "No adapters match." if filtered else f"No adapters yet: upload one with `{upload}`."
         stdout().print(message, markup=False)
         return
-    table = _table("ID", "NAME", "OWNER", "BASE MODEL", "VER", "RANK", "STATUS")
+    rows = table("ID", "NAME", "OWNER", "BASE MODEL", "VER", "RANK", "STATUS", min_width=8)
     for a in adapters:
         status = "pinned" if a.get("pinned") and a.get("status") == "ready" else a.get("status")
-        table.add_row(
-            *_cells(
+        rows.add_row(
+            *cells(
                 a.get("id"),
                 a.get("name"),
                 a.get("owner"),
@@ -388,7 +387,7 @@ def _print_adapters(listing: JSON, *, filtered: bool) -> None:
                 status,
             )
         )
-    stdout().print(table)
+    stdout().print(rows)
 
 
 @adapters_app.command("get")
@@ -402,7 +401,7 @@ def adapters_get(
 def _print_adapter(adapter: JSON) -> None:
     console = stdout()
     console.print(
-        _record(
+        record(
             "Adapter",
             [
                 ("id", adapter.get("id")),
@@ -421,14 +420,15 @@ def _print_adapter(adapter: JSON) -> None:
                 ("updated", fmt_time(adapter.get("updated_at"))),
                 ("deleted", fmt_time(adapter.get("deleted_at"))),
             ],
+            pad_edge=False,
         )
     )
     versions: list[JSON] = adapter.get("versions") or []
     if versions:
-        table = _table("VERSION", "RANK", "TARGETS", "SHA256", "SIZE", "CREATED")
+        rows = table("VERSION", "RANK", "TARGETS", "SHA256", "SIZE", "CREATED", min_width=8)
         for v in versions:
-            table.add_row(
-                *_cells(
+            rows.add_row(
+                *cells(
                     v.get("version"),
                     v.get("rank"),
                     _targets(v),
@@ -437,7 +437,7 @@ def _print_adapter(adapter: JSON) -> None:
                     fmt_time(v.get("created_at")),
                 )
             )
-        console.print(table)
+        console.print(rows)
 
 
 # --- pin, unpin, delete --------------------------------------------------------------------------------
@@ -522,7 +522,7 @@ def _print_already_deleted(adapter: JSON) -> None:
 
 
 def _path(adapter_id: str) -> str:
-    return f"/admin/adapters/{quote(adapter_id, safe='')}"
+    return f"/admin/adapters/{segment(adapter_id)}"
 
 
 def _targets(data: JSON) -> str:
@@ -544,28 +544,3 @@ def _size(value: object) -> str:
     while size >= 1024 and len(units) > 1:
         size, units = size / 1024, units[1:]
     return f"{size:.1f} {units[0]}"
-
-
-_NO_WRAP = frozenset({"ID", "VER", "VERSION", "RANK", "SIZE", "STATUS", "SHA256", "CREATED"})
-
-
-def _table(*columns: str) -> Table:
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in columns:  # IDs, numbers and dates stay whole; names and tenant IDs wrap on narrow terminals
-        whole = column in _NO_WRAP
-        table.add_column(column, no_wrap=whole, overflow="fold", min_width=None if whole else 8)
-    return table
-
-
-def _record(title: str, rows: list[tuple[str, object]]) -> Table:
-    table = Table(title=title, title_justify="left", show_header=False, box=box.SIMPLE, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    for field, value in rows:
-        table.add_row(field, *_cells(value))
-    return table
-
-
-def _cells(*values: object) -> list[Text]:
-    """Table cells as plain text: names from the API are never read as Rich markup."""
-    return [Text("-" if value is None or value == "" else str(value)) for value in values]

@@ -1,4 +1,4 @@
-"""`loraplex usage`: tenants' live usage and their bills, through the admin API (app.cli_http).
+"""`loraplex usage`: tenants' live usage and their bills, through the admin API (app.cli.common).
 
 `usage show` reads GET /admin/usage (live, from the usage events); `usage bill` reads
 GET /admin/tenants/{id}/bill (hourly rollups priced at the tier's current prices). Times are ISO 8601
@@ -9,13 +9,13 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from app.cli_http import EXIT_USAGE, JSON, admin_client, emit, fail, stdout
+from app.cli.common import EXIT_USAGE, JSON, admin_client, emit, fail, segment, stdout
 
 usage_app = typer.Typer(
     help="Tenants' usage (live, per hour, adapter or model) and bills (from hourly rollups).",
@@ -92,7 +92,7 @@ def usage_bill(
     """Show a tenant's bill for the rolled-up hours in [start, end) (whole UTC hours), at its tier's
     current prices."""
     query = urlencode({"start": iso_time("--start", start), "end": iso_time("--end", end)})
-    bill = admin_client(ctx).get(f"/admin/tenants/{quote(tenant_id, safe='')}/bill?{query}")
+    bill = admin_client(ctx).get(f"/admin/tenants/{segment(tenant_id)}/bill?{query}")
     emit(ctx, bill, _print_bill)
 
 
@@ -208,5 +208,6 @@ def _seconds(gpu_ms: object) -> str:
 
 
 def _cells(*values: object) -> list[Text]:
-    """Plain text: names from the API are never read as Rich markup."""
+    """Plain text: names from the API are never read as Rich markup. Unlike app.cli.output.cells, only
+    None becomes `-`: the blanks of the TOTAL rows stay blank."""
     return [Text("-" if value is None else str(value)) for value in values]

@@ -8,10 +8,10 @@ Exit codes: 0 done; 1 events left undelivered (export) or totals that disagree (
 2 bad options or settings, or the database or Stripe could not be reached.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -19,14 +19,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from app.cli_http import EXIT_API_ERROR, EXIT_USAGE, JSON, emit, fail, stdout
+from app.cli.common import EXIT_API_ERROR, EXIT_USAGE, JSON, emit, fail, stdout
+from app.cli.database import existing_database, run_db
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
     from billing.stripe_config import StripeConfig
-
-T = TypeVar("T")
 
 billing_app = typer.Typer(
     help="Usage rollups and the Stripe meter export, run on LORAPLEX_DATABASE_URL directly (not over HTTP).",
@@ -47,13 +46,13 @@ def billing_rollup(
 
     end = hour_of(datetime.now(UTC)) + timedelta(hours=1)
     start = end - timedelta(hours=hours)
-    url, shown = _existing_database()
+    url, shown = existing_database()
 
     def recompute() -> int:
         with _sessions(url) as factory, factory() as session, session.begin():
             return rollup_hours(session, start=start, end=end)
 
-    rows = _db(recompute, shown, connecting=True)
+    rows = run_db(recompute, shown, connecting=True)
     state = {"database": shown, "start": _iso(start), "end": _iso(end), "rollups": rows}
     emit(
         ctx,
@@ -77,7 +76,7 @@ def billing_export(ctx: typer.Context) -> None:
             code=EXIT_USAGE,
             hint="set LORAPLEX_STRIPE_API_KEY to a key that may write meter events",
         )
-    url, shown = _existing_database()
+    url, shown = existing_database()
 
     def run() -> JSON:
         with _sessions(url) as factory, _export_progress() as progress:
@@ -88,7 +87,7 @@ def billing_export(ctx: typer.Context) -> None:
 
             return export_usage(factory, config, on_progress=advance).as_dict()
 
-    summary = _db(run, shown, connecting=True)
+    summary = run_db(run, shown, connecting=True)
     emit(ctx, {"database": shown, **summary}, _print_export)
     if summary["failed"]:
         raise typer.Exit(EXIT_API_ERROR)
@@ -145,7 +144,7 @@ def billing_reconcile(
         fail("--end must be after --start", code=EXIT_USAGE)
     config = _stripe_config()
     client = make_client(config) if config.enabled and not no_stripe else None
-    url, shown = _existing_database()
+    url, shown = existing_database()
 
     def compare() -> list[JSON]:
         with _sessions(url) as factory, factory() as session:
@@ -153,7 +152,7 @@ def billing_reconcile(
             return [d.as_dict() for d in found]
 
     try:
-        found = _db(compare, shown, connecting=True)
+        found = run_db(compare, shown, connecting=True)
     except stripe.APIConnectionError as exc:
         fail(
             f"cannot reach Stripe: {exc.user_message or exc}",
@@ -190,23 +189,6 @@ def _print_reconcile(state: JSON) -> None:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
-
-
-def _existing_database() -> tuple[str, str]:
-    """The database URL and its shown form; exits 2 if it is a SQLite file that is not there yet."""
-    # app.cli imports this module: its helpers are imported when a command runs, not at import time.
-    from app.cli import _database_url, _missing_sqlite_file
-
-    url, shown = _database_url()
-    if _missing_sqlite_file(url):
-        fail(f"database {shown} does not exist", code=EXIT_USAGE, hint="run `loraplex db upgrade` first")
-    return url, shown
-
-
-def _db(action: Callable[[], T], shown: str, *, connecting: bool = False) -> T:
-    from app.cli import _db as run_db
-
-    return run_db(action, shown, connecting=connecting)
 
 
 @contextmanager

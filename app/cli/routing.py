@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from app.cli_http import JSON, admin_client, emit, stdout
+from app.cli.common import JSON, admin_client, emit, stdout
 
 routing_app = typer.Typer(
     help="How well requests meet replicas that hold their adapter.", no_args_is_help=True

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 import yaml
 
-from app.cli_http import fail
+from app.cli.common import fail
 from app.settings import Settings
 
 

@@ -1,7 +1,9 @@
 """What every `loraplex` command group shares: the global options, the admin HTTP client, output, errors.
 
-A group (a `typer.Typer()` in any module, registered in app/cli.py) takes a `typer.Context` and calls
-`admin_client(ctx)`, `emit(ctx, data, human)` and `fail(...)`. Nothing here does any work at import time.
+A group (a `typer.Typer()` in its own module of app.cli, registered in app/cli/__init__.py) takes a
+`typer.Context` and calls `admin_client(ctx)`, `emit(ctx, data, human)` and `fail(...)`; tables and records
+come from app.cli.output, the billing database from app.cli.database. Nothing here does any work at import
+time.
 
 Exit codes: 0 done; 1 the platform refused (its message is printed); 2 the CLI could not get an answer
 (platform unreachable, no admin key, bad options).
@@ -10,8 +12,8 @@ Exit codes: 0 done; 1 the platform refused (its message is printed); 2 the CLI c
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, NoReturn
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -23,7 +25,7 @@ EXIT_API_ERROR = 1
 EXIT_USAGE = 2
 
 JSON = dict[str, Any]
-_URL_HINT = "give the platform's base URL, e.g. --url http://127.0.0.1:8000"
+URL_HINT = "give the platform's base URL, e.g. --url http://127.0.0.1:8000"
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,9 @@ def emit(ctx: typer.Context, data: JSON, human: Callable[[JSON], None]) -> None:
         human(data)
 
 
-def fmt_time(value: object, *, date_only: bool = False) -> str:
-    """An API timestamp as `YYYY-MM-DD HH:MM:SSZ` (UTC), or just the date; `-` for none."""
-    if not isinstance(value, str) or not value:
-        return "-"
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        return value
-    return parsed.strftime("%Y-%m-%d" if date_only else "%Y-%m-%d %H:%M:%SZ")
+def segment(value: str) -> str:
+    """A user-given ID or name as one URL path segment."""
+    return quote(value, safe="")
 
 
 class AdminClient:
@@ -84,7 +80,7 @@ class AdminClient:
                 base_url=url, headers={"authorization": f"Bearer {admin_key}"}, timeout=timeout
             )
         except httpx.InvalidURL as exc:
-            fail(f"invalid platform URL {url!r}: {exc}", code=EXIT_USAGE, hint=_URL_HINT)
+            fail(f"invalid platform URL {url!r}: {exc}", code=EXIT_USAGE, hint=URL_HINT)
 
     def close(self) -> None:
         self._http.close()
@@ -111,7 +107,7 @@ class AdminClient:
                 code=EXIT_USAGE,
             )
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
-            fail(f"invalid platform URL {self.url!r}: {exc}", code=EXIT_USAGE, hint=_URL_HINT)
+            fail(f"invalid platform URL {self.url!r}: {exc}", code=EXIT_USAGE, hint=URL_HINT)
         except httpx.HTTPError as exc:
             fail(f"{method} {self.url}{path} failed: {exc or type(exc).__name__}", code=EXIT_USAGE)
         if response.is_error:

@@ -1,60 +1,42 @@
-"""`loraplex tiers`: pricing tiers, the rate limits they sell and their prices; and the limit options that
-`loraplex tenants update` shares with them (a tenant's overrides of its tier's limits).
+"""`loraplex tiers`: pricing tiers, the rate limits they sell and their prices.
 
-A limit left unset is unlimited. `--unlimited rpm,tpm` (tiers) and `--clear-overrides rpm,tpm` (tenants)
-send those limits as JSON null; everything goes through the admin API (app.cli_http). Prices are sent as
-decimal strings, exactly as typed (never through a float).
+A limit left unset is unlimited; `--unlimited rpm,tpm` sends those limits as JSON null (the limit options,
+shared with `loraplex tenants update`, are in app.cli.limits). Everything goes through the admin API
+(app.cli.common). Prices are sent as decimal strings, exactly as typed (never through a float).
 """
 
 from decimal import Decimal, InvalidOperation
 from enum import StrEnum
 from typing import Annotated
-from urllib.parse import quote
 
 import typer
-from rich import box
 from rich.table import Table
-from rich.text import Text
 
-from app.cli_http import EXIT_USAGE, JSON, admin_client, emit, fail, fmt_time, stdout
+from app.cli.common import EXIT_USAGE, JSON, admin_client, emit, fail, segment, stdout
+from app.cli.limits import (
+    LIMIT_CHOICES,
+    LIMITS,
+    MaxConcurrentOption,
+    MaxTokensCapOption,
+    RpmOption,
+    TpmOption,
+    fmt_limit,
+    fmt_on_limit,
+    limit_names,
+    limit_values,
+    limits_body,
+)
+from app.cli.output import cells, fmt_time, record
 
 tiers_app = typer.Typer(
     help="Pricing tiers: the rate limits each sells (rpm, tpm, concurrency, max_tokens cap) and its prices.",
     no_args_is_help=True,
 )
 
-LIMITS = ("rpm", "tpm", "max_concurrent", "max_tokens_cap")  # as billing.models.LIMIT_FIELDS (not imported:
-# the HTTP commands stay free of SQLAlchemy)
-_LIMIT_CHOICES = "rpm, tpm, max_concurrent, max_tokens_cap, or all"
-
 
 class OnLimit(StrEnum):
     REJECT = "reject"
     QUEUE = "queue"
-
-
-# Options shared by `tiers create|update` and `tenants update`.
-RpmOption = Annotated[
-    int | None, typer.Option("--rpm", min=1, metavar="N", help="Requests per minute.", show_default=False)
-]
-TpmOption = Annotated[
-    int | None,
-    typer.Option(
-        "--tpm", min=1, metavar="N", help="Tokens (prompt + completion) per minute.", show_default=False
-    ),
-]
-MaxConcurrentOption = Annotated[
-    int | None,
-    typer.Option(
-        "--max-concurrent", min=1, metavar="N", help="Requests in flight at once.", show_default=False
-    ),
-]
-MaxTokensCapOption = Annotated[
-    int | None,
-    typer.Option(
-        "--max-tokens-cap", min=1, metavar="N", help="Largest max_tokens of one request.", show_default=False
-    ),
-]
 
 
 # Prices: option -> API field (billing.models.Tier's columns).
@@ -138,69 +120,8 @@ def _price(flag: str, value: str) -> str:
     return format(price, "f")
 
 
-def limit_values(
-    rpm: int | None, tpm: int | None, max_concurrent: int | None, max_tokens_cap: int | None
-) -> dict[str, int]:
-    """The limit options that were given, by API field name."""
-    values = dict(zip(LIMITS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True))
-    return {field: value for field, value in values.items() if value is not None}
-
-
-def limit_names(values: list[str] | None, *, option: str) -> list[str]:
-    """`rpm,tpm` (repeatable; `max-concurrent` or `max_concurrent`; `all`) as API field names; exits 2 on
-    an unknown one."""
-    names: list[str] = []
-    for value in values or []:
-        for part in value.split(","):
-            name = part.strip().lower().replace("-", "_")
-            if not name:
-                continue
-            if name == "all":
-                names.extend(LIMITS)
-            elif name in LIMITS:
-                names.append(name)
-            else:
-                fail(
-                    f"{option}: unknown limit {part.strip()!r}",
-                    code=EXIT_USAGE,
-                    hint=f"give {_LIMIT_CHOICES}",
-                )
-    return list(dict.fromkeys(names))
-
-
-def limits_body(set_to: dict[str, int], cleared: list[str], *, option: str) -> JSON:
-    """Limits to set plus limits to send as null; exits 2 if one is both set and cleared."""
-    both = [name for name in cleared if name in set_to]
-    if both:
-        flag = "--" + both[0].replace("_", "-")
-        fail(f"{flag} and {option} {both[0]} contradict each other", code=EXIT_USAGE)
-    return {**set_to, **dict.fromkeys(cleared)}
-
-
-def fmt_limit(value: object) -> str:
-    """A limit for people: `100,000`, or `unlimited` for none."""
-    return f"{value:,}" if isinstance(value, int) else "unlimited"
-
-
-def fmt_on_limit(limits: JSON) -> str:
-    if limits.get("on_limit") == "queue":
-        return f"queue up to {limits.get('max_queue_ms')} ms"
-    return "reject"
-
-
-def tenant_limit_rows(tenant: JSON) -> list[tuple[str, object]]:
-    """A tenant's effective limits, each marked as its own override or its tier's."""
-    limits: JSON = tenant.get("limits") or {}
-    rows: list[tuple[str, object]] = []
-    for name in LIMITS:
-        source = "override" if tenant.get(name) is not None else f"tier {tenant.get('tier')}"
-        rows.append((name, f"{fmt_limit(limits.get(name))} ({source})"))
-    rows.append(("on_limit", fmt_on_limit(limits)))
-    return rows
-
-
 def _path(name: str) -> str:
-    return f"/admin/tiers/{quote(name, safe='')}"
+    return f"/admin/tiers/{segment(name)}"
 
 
 # --- commands --------------------------------------------------------------------------------------------
@@ -270,7 +191,7 @@ def tiers_update(
         typer.Option(
             "--unlimited",
             metavar="LIMITS",
-            help=f"Make these limits unlimited: comma-separated, {_LIMIT_CHOICES}.",
+            help=f"Make these limits unlimited: comma-separated, {LIMIT_CHOICES}.",
             show_default=False,
         ),
     ] = None,
@@ -326,20 +247,17 @@ def tiers_update(
 
 
 def _tier_record(tier: JSON, title: str) -> Table:
-    table = Table(title=title, title_justify="left", show_header=False, box=box.SIMPLE)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    rows: list[tuple[str, object]] = [
-        ("name", tier.get("name")),
-        ("description", tier.get("description")),
-        *((name, fmt_limit(tier.get(name))) for name in LIMITS),
-        ("on_limit", fmt_on_limit(tier)),
-        *_price_rows(tier),
-        ("created", fmt_time(tier.get("created_at"))),
-    ]
-    for field, value in rows:
-        table.add_row(field, _cell(value))
-    return table
+    return record(
+        title,
+        [
+            ("name", tier.get("name")),
+            ("description", tier.get("description")),
+            *((name, fmt_limit(tier.get(name))) for name in LIMITS),
+            ("on_limit", fmt_on_limit(tier)),
+            *_price_rows(tier),
+            ("created", fmt_time(tier.get("created_at"))),
+        ],
+    )
 
 
 def _price_rows(tier: JSON) -> list[tuple[str, object]]:
@@ -364,10 +282,5 @@ def _print_tiers(listing: JSON) -> None:
     for t in tiers:
         on_limit = f"queue {t.get('max_queue_ms')}ms" if t.get("on_limit") == "queue" else "reject"
         limits = [fmt_limit(t.get(name)) for name in LIMITS]
-        table.add_row(*map(_cell, (t.get("name"), *limits, on_limit)))
+        table.add_row(*cells(t.get("name"), *limits, on_limit))
     stdout().print(table)
-
-
-def _cell(value: object) -> Text:
-    """Plain text: names from the API are never read as Rich markup."""
-    return Text("-" if value is None or value == "" else str(value))

@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from app.cli_http import EXIT_API_ERROR, emit, fail, options, stdout
+from app.cli.common import EXIT_API_ERROR, emit, fail, options, stdout
 
 POLL_S = 1.0
 
