@@ -22,7 +22,7 @@ from adapters.spec import CONFIG_FILE, WEIGHTS_FILE
 from adapters.store import AdapterStore
 from adapters.validation import validate_adapter_dir
 from app.catalog import BaseModelEntry, ModelCatalog
-from app.errors import APIError
+from app.errors import InvalidParameter
 from app.upload import Upload
 from billing import adapter_registry, repository
 from billing.models import PUBLIC_OWNER, Adapter
@@ -77,22 +77,24 @@ class AdapterIngest:
         base_name = upload.fields.get("base_model", "").strip() or self._catalog.only()
         if not NAME_RE.match(name):
             message = "name must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            raise APIError(400, message, param="name")
+            raise InvalidParameter(message, param="name")
         if self._catalog.get(name) is not None:
-            raise APIError(400, f"name {name!r} is a base model's name; choose another", param="name")
+            raise InvalidParameter(f"name {name!r} is a base model's name; choose another", param="name")
         if not owner:
-            raise APIError(400, 'owner is required: a tenant id, or "public"', param="owner")
+            raise InvalidParameter('owner is required: a tenant id, or "public"', param="owner")
         if base_name is None:
-            raise APIError(400, f"base_model is required: one of {self._catalog.names()}", param="base_model")
+            raise InvalidParameter(
+                f"base_model is required: one of {self._catalog.names()}", param="base_model"
+            )
         base = self._catalog.get(base_name)
         if base is None:
             message = f"base_model {base_name!r} is not served here; served: {self._catalog.names()}"
-            raise APIError(400, message, param="base_model")
+            raise InvalidParameter(message, param="base_model")
         if owner != PUBLIC_OWNER:
             with self._session() as session:
                 tenant = repository.get_tenant(session, tenant_id=owner)  # TenantNotFound -> 404
                 if tenant.status != "active":
-                    raise APIError(400, f"tenant {owner} is disabled", param="owner")
+                    raise InvalidParameter(f"tenant {owner} is disabled", param="owner")
         return name, owner, base
 
     def _adapter_dir(self, upload: Upload) -> Path:
@@ -112,7 +114,7 @@ class AdapterIngest:
             "send either `file` (a .tar.gz, .tgz or .zip of a PEFT adapter directory) "
             "or both `adapter_config` and `adapter_model`"
         )
-        raise APIError(400, message, param="file", code="missing_files")
+        raise InvalidParameter(message, param="file", code="missing_files")
 
     def _register(self, fields: tuple[str, str, str], directory: Path, facts: "_Facts") -> Ingested:
         name, owner, base_model = fields
@@ -129,7 +131,7 @@ class AdapterIngest:
                         f"{name!r} was uploaded for base model {adapter.base_model!r}; "
                         "a new version must be for the same base model"
                     )
-                    raise APIError(400, message, param="base_model")
+                    raise InvalidParameter(message, param="base_model")
                 ref = self._store.put_dir(adapter.id, directory)
                 adapter_registry.add_version(
                     session,

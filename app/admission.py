@@ -7,13 +7,12 @@ request really used, so a tenant who asked for 1000 tokens and used 10 gets 990 
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
 import anyio
 
-from app.errors import APIError
+from app.errors import RateLimited, RequestTooLarge
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
 from app.metrics import Counter
 
@@ -27,40 +26,6 @@ QUEUE_POLL_S = 0.025
 REJECTIONS = Counter(
     "loraplex_limiter_rejections", "Requests the rate limiter refused.", ("tenant", "reason")
 )
-
-_MESSAGES = {
-    "requests": "requests per minute (RPM): limit {limit}",
-    "tokens": "tokens per minute (TPM): limit {limit}",
-    "concurrency": "concurrent requests: limit {limit}",
-}
-
-
-class RateLimited(APIError):
-    def __init__(self, decision: Decision, limits: Limits, tier: str, *, queued_ms: int = 0) -> None:
-        reason = decision.reason or "requests"
-        limit = {"requests": limits.rpm, "tokens": limits.tpm, "concurrency": limits.max_concurrent}.get(
-            reason
-        )
-        what = _MESSAGES.get(reason, "rate limit").format(limit=limit)
-        waited = f" after waiting {queued_ms} ms in the queue" if queued_ms else ""
-        retry_s = decision.retry_after_ms / 1000
-        headers = {
-            **decision.headers(),
-            "retry-after": str(max(1, math.ceil(retry_s))),
-            "retry-after-ms": str(decision.retry_after_ms),
-        }
-        message = f"Rate limit reached for {what} on tier {tier}{waited}. Please try again in {retry_s:g}s."
-        super().__init__(429, message, code="rate_limit_exceeded", headers=headers)
-
-
-class RequestTooLarge(APIError):
-    def __init__(self, reserve: int, limits: Limits, tier: str) -> None:
-        message = (
-            f"Request too large: it may use {reserve} tokens (prompt + max_tokens), more than the "
-            f"{limits.tpm} tokens per minute of tier {tier}. Lower max_tokens or shorten the prompt."
-        )
-        # Retrying cannot help: tell the OpenAI SDK not to.
-        super().__init__(429, message, code="request_too_large", headers={"x-should-retry": "false"})
 
 
 @dataclass
@@ -112,9 +77,7 @@ class Admission:
                 log.warning("rate limiter unavailable, admitting (fail-open): %s", error)
                 return cls(None, tenant, request_id, limits, None)
             _count_rejection(tenant, "unavailable")
-            raise APIError(503, "Rate limiting is unavailable right now; please retry shortly.",
-                           type="server_error", code="rate_limiter_unavailable",
-                           headers={"retry-after": "1"}) from error  # fmt: skip
+            raise
         finally:
             if queued:  # leaving (admitted, refused, cancelled): never keep a place in the queue
                 with anyio.CancelScope(shield=True):

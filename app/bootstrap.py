@@ -4,17 +4,17 @@ from adapters.store import AdapterStore
 from app.adapter_resolver import AdapterResolver
 from app.authenticator import Authenticator
 from app.catalog import BaseModelSpec, ModelCatalog
-from app.engine_client import EngineClient
 from app.limits import LimiterBackend
-from app.metering_observer import MeteringObserver
-from app.metering_sink import DatabaseSink
-from app.outbox import Outbox
+from app.limits.local_backend import LocalLimiter
+from app.metering.database_sink import DatabaseSink
+from app.metering.delivery import MeteringSink, UsageDelivery
+from app.metering.observer import MeteringObserver
+from app.metering.outbox import Outbox
 from app.request_metrics import RequestMetrics
 from app.services import Services
 from app.settings import Settings
-from app.usage_delivery import MeteringSink, UsageDelivery
 from billing.db import make_engine, make_session_factory
-from deployments.limiter_state import LocalLimiter
+from deployments.engine.interface import EngineClient
 
 
 def build_services(

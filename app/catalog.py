@@ -13,7 +13,7 @@ from pathlib import Path
 
 from adapters.layout import BaseModelLayout
 from app.prompts import PromptBuilder
-from deployments.engine.config import DEFAULT_LORA_TARGETS
+from deployments.engine.interface import DEFAULT_LORA_TARGETS
 
 
 @dataclass(frozen=True)

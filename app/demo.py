@@ -11,14 +11,14 @@ from adapters.store import AdapterStore
 from app.adapter_ingest import AdapterIngest
 from app.auth import generate_key
 from app.catalog import BaseModelSpec, ModelCatalog
+from app.modelprep.demo_model import Arch, ensure_model
 from app.settings import Settings
 from billing import adapter_registry, repository
 from billing.db import make_engine, make_session_factory, session_scope
 from billing.errors import TenantNameTaken
 from billing.migrate import upgrade
 from billing.models import PUBLIC_OWNER
-from deployments.engine.config import EngineConfig
-from deployments.engine.demo_model import Arch, ensure_model
+from deployments.engine.interface import EngineConfig
 
 DEMO_TENANT = "demo"
 

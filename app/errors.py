@@ -1,9 +1,12 @@
 """The only place where errors become HTTP: domain errors -> OpenAI error JSON with the right status.
 
-`{"error": {"message", "type", "param", "code"}}`, as the OpenAI SDK expects it.
+`{"error": {"message", "type", "param", "code"}}`, as the OpenAI SDK expects it. The rest of app/ raises
+either domain errors (engine, adapters, billing, the limiter), mapped by `to_api_error`, or one of the named
+gateway errors below; no other module chooses a status code (tests/test_architecture.py checks it).
 """
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,6 +16,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound
+from app.limits import Decision, LimiterUnavailable, Limits
 from billing.errors import (
     ApiKeyNotFound,
     BillingError,
@@ -21,7 +25,7 @@ from billing.errors import (
     TenantNotFound,
     TierNotFound,
 )
-from deployments.engine.errors import (
+from deployments.engine.interface import (
     EngineError,
     EngineOverloaded,
     EngineStopped,
@@ -81,10 +85,87 @@ class ModelNotFound(APIError):
         )
 
 
+class InvalidParameter(APIError):
+    """400: the request itself is wrong; `param` names the field to fix."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(400, message, param=param, code=code)
+
+
+class NotFound(APIError):
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(404, message, param=param, code="not_found")
+
+
+class Conflict(APIError):
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(409, message, param=param, code="conflict")
+
+
+class PayloadTooLarge(APIError):
+    def __init__(self, message: str, *, code: str) -> None:
+        # `connection: close` makes uvicorn drop the connection after the 413; otherwise it would keep
+        # reading (and discarding) the rest of a hostile multi-GB body to reuse the connection.
+        super().__init__(413, message, code=code, headers={"connection": "close"})
+
+
+_LIMIT_NAMES = {
+    "requests": "requests per minute (RPM): limit {limit}",
+    "tokens": "tokens per minute (TPM): limit {limit}",
+    "concurrency": "concurrent requests: limit {limit}",
+}
+
+
+class RateLimited(APIError):
+    def __init__(self, decision: Decision, limits: Limits, tier: str, *, queued_ms: int = 0) -> None:
+        reason = decision.reason or "requests"
+        limit = {"requests": limits.rpm, "tokens": limits.tpm, "concurrency": limits.max_concurrent}.get(
+            reason
+        )
+        what = _LIMIT_NAMES.get(reason, "rate limit").format(limit=limit)
+        waited = f" after waiting {queued_ms} ms in the queue" if queued_ms else ""
+        retry_s = decision.retry_after_ms / 1000
+        headers = {
+            **decision.headers(),
+            "retry-after": str(max(1, math.ceil(retry_s))),
+            "retry-after-ms": str(decision.retry_after_ms),
+        }
+        message = f"Rate limit reached for {what} on tier {tier}{waited}. Please try again in {retry_s:g}s."
+        super().__init__(429, message, code="rate_limit_exceeded", headers=headers)
+
+
+class RequestTooLarge(APIError):
+    def __init__(self, reserve: int, limits: Limits, tier: str) -> None:
+        message = (
+            f"Request too large: it may use {reserve} tokens (prompt + max_tokens), more than the "
+            f"{limits.tpm} tokens per minute of tier {tier}. Lower max_tokens or shorten the prompt."
+        )
+        # Retrying cannot help: tell the OpenAI SDK not to.
+        super().__init__(429, message, code="request_too_large", headers={"x-should-retry": "false"})
+
+
+class GenerationFailed(APIError):
+    def __init__(self, reason: str | None) -> None:
+        message = f"The model failed while generating: {reason}"
+        super().__init__(500, message, type="server_error", code="generation_failed")
+
+
+class NotReady(APIError):
+    def __init__(self, details: str) -> None:
+        super().__init__(
+            503, f"Not ready: {details}", type="server_error", code="not_ready", headers={"retry-after": "1"}
+        )
+
+
 def to_api_error(error: Exception) -> APIError:
     """Map a domain error to its HTTP form. Unknown errors become a 500 that reveals nothing."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, LimiterUnavailable):
+        message = "Rate limiting is unavailable right now; please retry shortly."
+        return APIError(
+            503, message, type="server_error", code="rate_limiter_unavailable", headers={"retry-after": "1"}
+        )
     if isinstance(error, PromptTooLong):
         return APIError(400, str(error), param=error.param, code="context_length_exceeded")
     if isinstance(error, InvalidRequest):
@@ -150,6 +231,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    for kind in (APIError, AdapterError, BillingError, EngineError):
+    for kind in (APIError, AdapterError, BillingError, EngineError, LimiterUnavailable):
         app.add_exception_handler(kind, handler)
     # Anything else is turned into a 500 by RequestContextMiddleware, which also stamps x-request-id on it.

@@ -2,6 +2,8 @@
 
 The engine is asked for its first output before any HTTP status is sent, so bad input (context too long,
 unknown adapter, overload) still gets a proper 4xx/5xx instead of a 200 stream with an error inside.
+Replica failover lives here, in `_engine_outputs` alone: a request whose engine replica is lost while its
+client has seen none of its output runs again elsewhere.
 Whatever happens afterwards (completion, client disconnect, engine failure), the rate-limit lease is
 released with the tokens really used, and exactly one RequestRecord goes to the observers; a request that
 ends before any engine took it (rate limits, bad input) is counted by request_metrics.refused instead.
@@ -21,8 +23,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app import log_context, request_metrics
 from app.admission import Admission
 from app.authenticator import Principal
-from app.errors import APIError, to_api_error
-from app.observers import RequestRecord, RequestStatus
+from app.errors import GenerationFailed, InvalidParameter, to_api_error
+from app.metering.request_record import RequestRecord, RequestStatus
 from app.schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -37,16 +39,21 @@ from app.schemas.openai import (
     Usage,
 )
 from app.services import Services, Target
-from deployments.engine.errors import EngineError, PromptTooLong, ReplicaLost
-from deployments.engine.outputs import RequestOutput, RequestUsage
-from deployments.engine.request import EngineRequest
-from deployments.engine.sampling_params import SamplingParams
-from deployments.engine.sequence import FinishReason
+from deployments.engine.interface import (
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    PromptTooLong,
+    ReplicaLost,
+    RequestOutput,
+    RequestUsage,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
-MAX_RESTARTS = 2  # a non-streaming request whose replica died is run again at most this often
+MAX_ATTEMPTS = 3  # a request whose replica is lost before its client saw output runs at most this often
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
@@ -84,11 +91,6 @@ def finish_reason(out: RequestOutput) -> str | None:
     return None
 
 
-def generation_failed(out: RequestOutput) -> APIError:
-    message = f"The model failed while generating: {out.error}"
-    return APIError(500, message, type="server_error", code="generation_failed")
-
-
 @dataclass
 class Generation:
     services: Services
@@ -104,6 +106,7 @@ class Generation:
     engine_request: EngineRequest | None = None
     prompt_tokens: int = 0
     streamed_tokens: int = 0  # what the client received, for reconciling an aborted request
+    client_has_output: bool = False  # once true, a lost replica ends the request instead of restarting it
     _recorded: bool = False
 
     @classmethod
@@ -152,24 +155,25 @@ class Generation:
             reserve=len(prompt_ids) + (params.max_tokens or max(room, 0)),
             fail_open=self.services.limiter_fail_open,
         )
-        self.engine_request = request = EngineRequest(
+        self.engine_request = EngineRequest(
             request_id=self.request_id,
             prompt_ids=prompt_ids,
             params=params,
             adapter=self.target.adapter,
             cache_salt=self.principal.tenant_id,  # tenants never share cached prefixes
         )
-        outputs = self.services.engine.generate(self.target.base.name, request)
+        outputs = self._engine_outputs()
         try:
             first = await anext(outputs)  # engine-side validation errors surface here, before any status
         except BaseException as error:
             await self.admission.release(0)  # nothing was processed
-            if isinstance(error, PromptTooLong):
-                field_name = "messages" if self.kind == "chat" else "prompt"
-                error = APIError(400, str(error), param=field_name, code="context_length_exceeded")
-            if isinstance(error, APIError):
-                error.headers = {**self.admission.headers(), **error.headers}
-            raise error from None
+            if isinstance(error, PromptTooLong) and self.kind == "chat":
+                error = error.for_param("messages")
+            if isinstance(error, Exception):  # the admission's headers ride on the error response too
+                api_error = to_api_error(error)
+                api_error.headers = {**self.admission.headers(), **api_error.headers}
+                raise api_error from None
+            raise
         headers = self.admission.headers()
         if self.stream:
             return StreamingResponse(
@@ -178,6 +182,27 @@ class Generation:
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
             )
         return await self._collect(first, outputs, headers)
+
+    async def _engine_outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        """This request's engine outputs, with the platform's one replica failover: when the replica
+        running it is lost (ReplicaLost) while the client has seen none of its output, the request runs
+        again from the start, under a fresh engine id (the lost attempt's abort may still be pending
+        somewhere), on whichever replica the router now picks. Output a client has seen cannot be taken
+        back: then the loss ends the request. A consumer sees a restart as a new request_id."""
+        assert self.engine_request is not None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            outputs = self.services.engine.generate(self.target.base.name, self.engine_request)
+            try:
+                async for output in outputs:
+                    yield output
+                return
+            except ReplicaLost:
+                if self.client_has_output or attempt == MAX_ATTEMPTS:
+                    raise
+                log.warning("request %s lost its engine replica; running it again", self.request_id)
+            finally:
+                await outputs.aclose()
+            self.engine_request = replace(self.engine_request, request_id=f"{self.request_id}.r{attempt}")
 
     def _capped(self, params: SamplingParams) -> SamplingParams:
         """The tier's max_tokens cap: asking for more is an error; asking for nothing means the cap."""
@@ -190,7 +215,7 @@ class Generation:
             message = (
                 f"max_tokens {params.max_tokens} exceeds the cap of {cap} for tier {self.principal.tier}"
             )
-            raise APIError(400, message, param="max_tokens", code="max_tokens_over_cap")
+            raise InvalidParameter(message, param="max_tokens", code="max_tokens_over_cap")
         if params.max_tokens is None:
             room = self.target.base.max_model_len - self.prompt_tokens
             return replace(params, max_tokens=max(1, min(cap, room)))
@@ -201,34 +226,19 @@ class Generation:
     ) -> JSONResponse:
         text: list[str] = []
         last = first
-        restarts = 0
         try:
-            while True:
-                try:
-                    text.append(last.text)
-                    self.streamed_tokens += len(last.token_ids)
-                    while not last.finished:
-                        last = await anext(outputs)
-                        text.append(last.text)
-                        self.streamed_tokens += len(last.token_ids)
-                        assert self.admission is not None
-                        await self.admission.renew_if_due()
-                    break
-                except ReplicaLost:
-                    # The client has seen nothing yet: run the request again on another replica.
-                    if restarts == MAX_RESTARTS:
-                        raise
-                    restarts += 1
-                    log.warning("request %s lost its replica mid-generation; restarting", self.request_id)
-                    await outputs.aclose()
-                    assert self.engine_request is not None
-                    # A fresh engine id: the lost attempt may still be known to an engine (abort pending).
-                    self.engine_request = replace(
-                        self.engine_request, request_id=f"{self.request_id}.r{restarts}"
-                    )
-                    outputs = self.services.engine.generate(self.target.base.name, self.engine_request)
+            out: RequestOutput | None = first
+            while out is not None:
+                if out.request_id != last.request_id:  # run again after a lost replica: start over
                     text, self.streamed_tokens = [], 0
-                    last = await anext(outputs)
+                last = out
+                text.append(out.text)
+                self.streamed_tokens += len(out.token_ids)
+                if out.finished:
+                    break
+                assert self.admission is not None
+                await self.admission.renew_if_due()
+                out = await anext(outputs)
         except BaseException as stopped:
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()
@@ -236,7 +246,7 @@ class Generation:
             raise
         if last.finish_reason is FinishReason.ERROR:
             await self._finish("failed", last)
-            error = generation_failed(last)
+            error = GenerationFailed(last.error)
             error.headers = headers
             raise error
         await self._finish("completed", last)
@@ -268,6 +278,7 @@ class Generation:
         last = first
         status: RequestStatus = "aborted"
         try:
+            self.client_has_output = True
             if self.kind == "chat":
                 yield _event(chunk(ChatDelta(role="assistant", content=""), None))
             out: RequestOutput | None = first
@@ -276,7 +287,7 @@ class Generation:
                 self.streamed_tokens += len(out.token_ids)
                 if out.finish_reason is FinishReason.ERROR:
                     status = "failed"
-                    yield _event(generation_failed(out).body())
+                    yield _event(GenerationFailed(out.error).body())
                     return
                 if out.text or out.finished:
                     reason = finish_reason(out) if out.finished else None

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from app.errors import APIError
+from app.errors import InvalidParameter
 from app.schemas.openai import ChatMessage
 
 
@@ -14,7 +14,7 @@ class PromptBuilder:
 
     def chat(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
-            raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
+            raise InvalidParameter("This model has no chat template; use /v1/completions.", param="messages")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         ids = self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -26,6 +26,6 @@ class PromptBuilder:
         if isinstance(prompt, list):
             return prompt
         if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
+            raise InvalidParameter("prompt must not be empty", param="prompt")
         ids: list[int] = self.tokenizer(prompt)["input_ids"]
         return [int(i) for i in ids]

@@ -9,9 +9,10 @@ from typing import Literal
 
 from adapters.errors import AdapterError
 from app.errors import APIError, to_api_error
+from app.limits import LimiterUnavailable
+from app.metering.request_record import RequestRecord, RequestStatus
 from app.metrics import LATENCY_MS, QUEUE_MS, TPOT_MS, TTFT_MS, Counter, Histogram
-from app.observers import RequestRecord, RequestStatus
-from deployments.engine.errors import EngineError
+from deployments.engine.interface import EngineError
 
 RefusedStatus = Literal["rejected", "invalid", "failed", "aborted"]
 Status = RequestStatus | RefusedStatus
@@ -73,7 +74,7 @@ def refused(tenant: str, model: str, base_model: str, error: BaseException) -> N
 def refusal_status(error: BaseException) -> RefusedStatus:
     if not isinstance(error, Exception):  # cancelled: the client left (e.g. while queued for its limits)
         return "aborted"
-    if isinstance(error, APIError) and (error.status == 429 or error.code == "rate_limiter_unavailable"):
+    if isinstance(error, LimiterUnavailable) or (isinstance(error, APIError) and error.status == 429):
         return "rejected"
     if isinstance(error, APIError | AdapterError | EngineError) and to_api_error(error).status < 500:
         return "invalid"

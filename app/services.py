@@ -10,12 +10,12 @@ from adapters.store import AdapterStore
 from app.adapter_resolver import AdapterResolver
 from app.authenticator import Authenticator, Principal
 from app.catalog import BaseModelEntry, ModelCatalog
-from app.engine_client import EngineClient
 from app.errors import ModelNotFound
 from app.limits import LimiterBackend
-from app.observers import RequestObserver
+from app.metering.delivery import UsageDelivery
+from app.metering.request_record import RequestObserver
 from app.settings import Settings
-from app.usage_delivery import UsageDelivery
+from deployments.engine.interface import EngineClient
 
 
 @dataclass(frozen=True)

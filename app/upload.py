@@ -24,7 +24,7 @@ from python_multipart.exceptions import FormParserError, MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from app.errors import APIError
+from app.errors import InvalidParameter, PayloadTooLarge
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
@@ -61,17 +61,15 @@ def _mb(size: int) -> str:
     return f"{size / 2**20:.2f} MB"  # binary MB, as in Settings.max_upload_mb
 
 
-def _too_large(message: str) -> APIError:
-    # `connection: close` makes uvicorn drop the connection after the 413; otherwise it would keep
-    # reading (and discarding) the rest of a hostile multi-GB body to reuse the connection.
-    return APIError(413, message, code="upload_too_large", headers={"connection": "close"})
+def _too_large(message: str) -> PayloadTooLarge:
+    return PayloadTooLarge(message, code="upload_too_large")
 
 
-def _bad(message: str, code: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def _bad(message: str, code: str, param: str | None = None) -> InvalidParameter:
+    return InvalidParameter(message, param=param, code=code)
 
 
-def _malformed(detail: str = "") -> APIError:
+def _malformed(detail: str = "") -> InvalidParameter:
     return _bad("malformed multipart body" + (f": {detail}" if detail else ""), "malformed_multipart")
 
 

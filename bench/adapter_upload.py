@@ -20,7 +20,6 @@ import httpx
 from app.auth import generate_key
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
-from app.engine_client import LocalEngineClient
 from app.main import create_app
 from app.settings import Settings
 from bench.assets import ensure_bench_assets
@@ -29,6 +28,7 @@ from billing.db import session_scope
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
+from deployments.engine.interface import EngineRequest, LocalEngineClient
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from deployments.registry_watcher import RegistryWatcher
@@ -67,7 +67,7 @@ def restart_to_serve(config: EngineConfig, ref_name: str) -> float:
     start = time.perf_counter()
     engine = LLMEngine(config)
     ref = engine.adapters.store.latest(ref_name)
-    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=1), ref)
+    engine.add_request(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=1), ref))
     while engine.has_unfinished():
         engine.step()
     elapsed = time.perf_counter() - start

@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from adapters.store import AdapterStore
+from app.modelprep.demo_model import ensure_model
 from deployments.engine.config import DEFAULT_LORA_TARGETS
-from deployments.engine.demo_model import ensure_model
 
 BENCH_DIR = Path("var/bench")
 

@@ -24,15 +24,15 @@ from ray import serve
 from app.auth import generate_key
 from app.bootstrap import build_services
 from app.main import create_app
+from app.modelprep.demo_model import ensure_model
 from app.settings import Settings
 from billing import repository
 from billing.db import make_engine, make_session_factory, session_scope
 from billing.migrate import upgrade
-from deployments.engine.demo_model import ensure_model
+from deployments.engine.interface import FinishReason
 from deployments.engine.outputs import RequestOutput, RequestUsage
 from deployments.engine.request import EngineRequest
 from deployments.engine.sampling_params import SamplingParams
-from deployments.engine.sequence import FinishReason
 from deployments.serve_engine_client import ServeEngineClient
 
 

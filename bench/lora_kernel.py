@@ -11,8 +11,13 @@ import time
 
 import torch
 
-from deployments.engine.lora_kernels import _cpu_extension, grouped_mm_kernel, loop_kernel, sgmv_cpu_kernel
-from deployments.engine.lora_layers import LoRABatch
+from deployments.engine.lora_kernels import (
+    LoRABatch,
+    _cpu_extension,
+    grouped_mm_kernel,
+    loop_kernel,
+    sgmv_cpu_kernel,
+)
 
 SHAPES = {"q/o": (1024, 1024), "k/v": (1024, 256), "gate/up": (1024, 2816), "down": (2816, 1024)}
 

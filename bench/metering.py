@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from app.metering_sink import DatabaseSink
+from app.metering.database_sink import DatabaseSink
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from billing.models import UsageEvent

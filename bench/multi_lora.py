@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from adapters.ref import AdapterRef
 from bench.assets import ensure_bench_assets
 from deployments.engine.config import EngineConfig
+from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.lora_layers import load_adapter_into_slot
 from deployments.engine.sampling_params import SamplingParams
@@ -68,7 +69,9 @@ def run_engine(
     for b, batch in enumerate(batches):
         for i, r in enumerate(batch):
             params = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
-            engine.add_request(f"{tag}-{b}-{i}", r.prompt, params, None if refs is None else refs[r.adapter])
+            engine.add_request(
+                EngineRequest(f"{tag}-{b}-{i}", r.prompt, params, None if refs is None else refs[r.adapter])
+            )
         while engine.has_unfinished():
             engine.step()
     return sum(r.max_tokens for r in requests) / (time.perf_counter() - start)

@@ -16,9 +16,9 @@ import uuid
 import ray
 
 from app.limits import LimiterBackend, Limits
-from deployments.limiter_ray import RayLimiter
-from deployments.limiter_redis import RedisLimiter
-from deployments.limiter_state import LocalLimiter
+from app.limits.local_backend import LocalLimiter
+from app.limits.ray_backend import RayLimiter
+from app.limits.redis_backend import RedisLimiter
 
 LIMITS = Limits(rpm=10**9, tpm=10**12, max_concurrent=10**6)  # every decision runs every check
 

@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 APP_NAME = "loraplex"
-LIMITER_ACTOR = "loraplex-rate-limiter"  # deployments.limiter_ray.ACTOR_NAME, in namespace "loraplex"
+LIMITER_ACTOR = "loraplex-rate-limiter"  # app.limits.ray_backend.ACTOR_NAME, in namespace "loraplex"
 
 
 def replicas(deployment: str) -> list[str]:

@@ -29,9 +29,9 @@ import ray
 from ray import serve
 
 from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
+from app.modelprep.demo_model import ensure_model
 from billing.migrate import upgrade
 from deployments.builder import build_app
-from deployments.engine.demo_model import ensure_model
 
 APP, MODEL, ADAPTERS, REPLICAS = "loraplex", "tiny-llama", 24, 3
 Snapshot = dict[str, dict[str, Any]]  # replica name -> its row of GET /admin/routing

@@ -13,8 +13,9 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from app.limits.factory import LimiterConfig
 from app.settings import Settings
-from deployments.engine.config import EngineConfig
+from deployments.engine.interface import EngineConfig
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress
 from deployments.metering import Metering
@@ -50,28 +51,10 @@ class ModelDeployment(BaseModel):
     )
 
 
-class RateLimiterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    backend: Literal["ray", "redis"] = Field(
-        default="ray", description="ray: one actor in this cluster (no other service); redis: production."
-    )
-    redis_url: str | None = Field(default=None, description="redis://host:port/db, for backend redis.")
-    fail_open: bool = Field(
-        default=False, description="Admit requests when the limiter is unreachable (default: answer 503)."
-    )
-
-    @model_validator(mode="after")
-    def _redis_needs_url(self) -> "RateLimiterConfig":
-        if self.backend == "redis" and not self.redis_url:
-            raise ValueError("rate_limiter.backend redis needs rate_limiter.redis_url")
-        return self
-
-
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rate_limiter: RateLimiterConfig = Field(default_factory=RateLimiterConfig)
+    rate_limiter: LimiterConfig = Field(default_factory=LimiterConfig)
     models: list[ModelDeployment] = Field(min_length=1, description="Base models, each its own deployment.")
     ingress_replicas: int = Field(default=1, ge=1, description="Ingress (HTTP) replicas.")
     ingress_max_ongoing_requests: int = Field(default=1024, ge=1)

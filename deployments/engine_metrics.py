@@ -10,8 +10,7 @@ import logging
 import threading
 
 from app.metrics import Counter, Gauge
-from deployments.engine.async_engine import AsyncEngine
-from deployments.engine.outputs import EngineStats
+from deployments.engine.interface import AsyncEngine, EngineStats
 
 log = logging.getLogger(__name__)
 TAGS = ("base_model",)

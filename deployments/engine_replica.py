@@ -13,11 +13,14 @@ from app import log_context
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
 from billing.routing_report import live_replicas
-from deployments.engine.async_engine import AsyncEngine
-from deployments.engine.config import EngineConfig
-from deployments.engine.errors import EngineStopped
-from deployments.engine.outputs import EngineStats, RequestOutput
-from deployments.engine.request import EngineRequest
+from deployments.engine.interface import (
+    AsyncEngine,
+    EngineConfig,
+    EngineRequest,
+    EngineStats,
+    EngineStopped,
+    RequestOutput,
+)
 from deployments.engine_metrics import EngineMetrics
 from deployments.engine_reporter import EngineReporter
 from deployments.registry_watcher import RegistryWatcher
@@ -50,8 +53,7 @@ class EngineReplica:
     ) -> None:
         log_context.route_to_serve()
         self.config = EngineConfig(**engine_config)
-        self.engine = AsyncEngine(self.config)
-        self.engine.engine.replica_name = _replica_name(self.config.name)
+        self.engine = AsyncEngine(self.config, replica_name=_replica_name(self.config.name))
         self.metrics = EngineMetrics(self.engine, base_model=self.config.name, interval_s=metrics_interval_s)
         self.metrics.start()
         self.watcher: RegistryWatcher | None = None
@@ -59,7 +61,7 @@ class EngineReplica:
         if watch_registry:
             settings = Settings()
             sessions = make_session_factory(make_engine(settings.resolved_database_url()))
-            name, prefix = self.engine.engine.replica_name, f"{self.config.name}:"
+            name, prefix = self.engine.replica_name, f"{self.config.name}:"
             self.reporter = EngineReporter(
                 self.engine,
                 replica=name,
@@ -91,7 +93,7 @@ class EngineReplica:
             tenant=request.cache_salt,
             adapter=None if request.adapter is None else str(request.adapter),
         )
-        async for output in self.engine.generate_request(request):
+        async for output in self.engine.generate(request):
             yield output
 
     def stats(self) -> EngineStats:
@@ -116,8 +118,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Serve restarts the replica if the engine loop has died."""
-        if self.engine._error is not None:
-            raise EngineStopped(f"engine loop died: {self.engine._error}")
+        if self.engine.error is not None:
+            raise EngineStopped(f"engine loop died: {self.engine.error}")
 
     def report_now(self) -> None:
         """Write the busy/wall totals now (tests, and shutdown)."""

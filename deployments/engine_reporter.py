@@ -9,7 +9,7 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from billing.models import EngineReport, utcnow
-from deployments.engine.async_engine import AsyncEngine
+from deployments.engine.interface import AsyncEngine
 
 log = logging.getLogger(__name__)
 

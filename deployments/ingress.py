@@ -14,21 +14,11 @@ from ray.serve.handle import DeploymentHandle
 from app import log_context
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
-from app.limits import LimiterBackend
+from app.limits.factory import LimiterConfig, make_limiter
 from app.main import create_app
 from app.settings import Settings
-from deployments.limiter_ray import RayLimiter
+from deployments.metering import ServeMeteringSink
 from deployments.serve_engine_client import ServeEngineClient
-from deployments.serve_metering_sink import ServeMeteringSink
-
-
-def make_limiter(config: dict[str, Any]) -> LimiterBackend:
-    """The cluster-wide limiter every ingress replica shares."""
-    if config.get("backend") == "redis":
-        from deployments.limiter_redis import RedisLimiter
-
-        return RedisLimiter(str(config["redis_url"]))
-    return RayLimiter()
 
 
 @serve.ingress()
@@ -51,13 +41,13 @@ class Ingress:
             )
             for name, spec in models.items()
         }
-        limiter_config = rate_limiter or {}
+        limiter_config = LimiterConfig(**(rate_limiter or {}))
         self.services = build_services(
             self.settings,
             ServeEngineClient(engines),
             specs,
             limiter=make_limiter(limiter_config),
-            limiter_fail_open=bool(limiter_config.get("fail_open", False)),
+            limiter_fail_open=limiter_config.fail_open,
             metering=None if metering is None else ServeMeteringSink(metering),
         )
 

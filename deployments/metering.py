@@ -1,16 +1,21 @@
 """Metering: the Ray Serve deployment that writes usage records into the billing database in batches,
-and keeps hourly rollups (and the Stripe export, when configured) up to date.
+and keeps hourly rollups (and the Stripe export, when configured) up to date; ServeMeteringSink is the
+ingress's side of it (app/metering/ draws the whole pipeline).
 
 Writes are insert-or-ignore on the request id, so the ingress outboxes can retry freely. The periodic job is
 idempotent (rollups are recomputed; Stripe identifiers are deterministic), so several replicas may run it.
 """
 
+import asyncio
 import logging
 import threading
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
 
 from app import log_context
-from app.metering_sink import DatabaseSink
+from app.metering.database_sink import DatabaseSink
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
 from billing.usage import UsageRecord, closed_before, rollup_hours
@@ -60,3 +65,16 @@ class Metering:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+
+
+class ServeMeteringSink:
+    """The ingress's metering sink (app.metering.delivery.MeteringSink): a call to the Metering
+    deployment, bounded by a timeout."""
+
+    def __init__(self, handle: DeploymentHandle[Any], *, timeout_s: float = 30.0) -> None:
+        self._handle = handle
+        self._timeout = timeout_s
+
+    async def record(self, records: list[UsageRecord]) -> int:
+        count: int = await asyncio.wait_for(self._handle.record.remote(records), self._timeout)
+        return count

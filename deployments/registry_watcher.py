@@ -17,10 +17,11 @@ from sqlalchemy.orm import Session
 
 from adapters.ref import AdapterRef
 from billing import adapter_registry
-from deployments.engine.async_engine import AsyncEngine
+from deployments.engine.interface import AsyncEngine
 from deployments.rendezvous import rendezvous_order
 
 log = logging.getLogger(__name__)
+SYNC_TIMEOUT_S = 60.0  # the loop applies it between steps; a step is far shorter than this
 
 
 class RegistryWatcher:
@@ -53,26 +54,18 @@ class RegistryWatcher:
         self._thread.join(timeout=10)
 
     def sync_once(self) -> None:
+        """One pass: read the registry here, then change the engine's adapter tiers on its loop thread
+        (they belong to that thread: this one never reads or writes them)."""
         with self._sessions() as session:
             rows = adapter_registry.list_adapters(session, base_model=self._base_model)
         live = {r.adapter.id: AdapterRef(r.adapter.id, r.latest.version) for r in rows}
         wanted_pins = {live[r.adapter.id] for r in rows if r.adapter.pinned}
-        engine = self._engine
-        # Compare with what the engine holds, not only with the last pass: an adapter uploaded, used and
-        # deleted between two passes must still be dropped.
-        held = {ref.adapter_id for ref in engine.engine.adapters.held()}
-        for adapter_id in (held | self._live.keys()) - live.keys():
-            log.info("adapter %s is gone from the registry: dropping it from this replica", adapter_id)
-            engine.remove_adapter(adapter_id)
+        prefetch: list[AdapterRef] = []
         if not self._first:
             uploaded = [ref for i, ref in live.items() if self._live.get(i) != ref and ref not in wanted_pins]
-            for ref in self._homed_here(uploaded):
-                engine.prefetch_adapter(ref)
-        pinned = set(engine.engine.adapters.slots.pinned)
-        for ref in pinned - wanted_pins:
-            engine.unpin_adapter(ref)
-        for ref in wanted_pins - pinned:
-            engine.pin_adapter(ref)
+            prefetch = self._homed_here(uploaded)
+        done = self._engine.reconcile_adapters(live=set(live), pinned=wanted_pins, prefetch=prefetch)
+        done.result(timeout=SYNC_TIMEOUT_S)
         self._live = live
         self._first = False
 

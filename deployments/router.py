@@ -27,7 +27,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.engine.request import EngineRequest
+from deployments.engine.interface import EngineRequest
 from deployments.rendezvous import rendezvous_order
 
 log = logging.getLogger(__name__)

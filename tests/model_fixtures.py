@@ -8,7 +8,7 @@ import pytest
 from adapters.demo_adapters import DEMO_ADAPTERS, build_demo_adapters
 from adapters.ref import AdapterRef
 from adapters.store import AdapterStore
-from deployments.engine.demo_model import ARCHS, build_model
+from app.modelprep.demo_model import ARCHS, build_model
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from app.auth import generate_key
 from app.authenticator import limits_for
 from app.deps import AdminDep, ServicesDep
-from app.errors import APIError
+from app.errors import Conflict, InvalidParameter, NotFound
 from app.routes.guarded import AdminRoute
 from app.schemas.admin import (
     KeyCreate,
@@ -46,11 +46,11 @@ def _tier_errors() -> Iterator[None]:
     try:
         yield
     except TierNotFound as error:
-        raise APIError(404, str(error), code="not_found") from None
+        raise NotFound(str(error)) from None
     except TierExists as error:
-        raise APIError(409, str(error), param="name", code="conflict") from None
+        raise Conflict(str(error), param="name") from None
     except InvalidPrice as error:  # the schema checks first; this is the repository's own guard
-        raise APIError(400, str(error), param=error.field, code="invalid_price") from None
+        raise InvalidParameter(str(error), param=error.field, code="invalid_price") from None
 
 
 @router.post("/tiers", status_code=status.HTTP_201_CREATED)
@@ -122,7 +122,7 @@ def update_tenant(tenant_id: str, body: TenantUpdate, _: AdminDep, services: Ser
             tenant = repository.update_tenant_limits(session, tenant_id=tenant_id, **overrides)
             return _tenant_out(session, tenant)
     except InvalidStripeCustomer as error:  # the schema checks first; this is the repository's own guard
-        raise APIError(400, str(error), param=error.field, code="invalid_stripe_customer") from None
+        raise InvalidParameter(str(error), param=error.field, code="invalid_stripe_customer") from None
 
 
 @router.delete("/tenants/{tenant_id}")
@@ -138,14 +138,14 @@ def create_key(
 ) -> KeyCreated:
     body = body or KeyCreate()
     if body.expires_at is not None and body.expires_in_days is not None:
-        raise APIError(400, "give expires_at or expires_in_days, not both", param="expires_at")
+        raise InvalidParameter("give expires_at or expires_in_days, not both", param="expires_at")
     expires_at = body.expires_at
     if body.expires_in_days is not None:
         expires_at = datetime.now(UTC) + timedelta(days=body.expires_in_days)
     if expires_at is not None:
         expires_at = expires_at if expires_at.tzinfo else expires_at.replace(tzinfo=UTC)
         if expires_at <= datetime.now(UTC):
-            raise APIError(400, "expires_at must be in the future", param="expires_at")
+            raise InvalidParameter("expires_at must be in the future", param="expires_at")
     new = generate_key(services.key_secret)
     with services.session_factory() as session, session.begin():
         api_key = repository.create_api_key(

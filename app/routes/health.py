@@ -5,7 +5,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from app.deps import ServicesDep
-from app.errors import APIError
+from app.errors import NotReady
 from app.readiness import OK, Readiness
 
 router = APIRouter(tags=["health"])
@@ -26,6 +26,6 @@ async def readyz(request: Request, services: ServicesDep) -> JSONResponse:
     if not failed:
         return JSONResponse({"status": "ready", "checks": checks})
     details = "; ".join(f"{name}: {checks[name]}" for name in failed)
-    error = APIError(503, f"Not ready: {details}", type="server_error", code="not_ready")
+    error = NotReady(details)
     body = {**error.body(), "status": "not_ready", "checks": checks}
-    return JSONResponse(body, status_code=503, headers={"retry-after": "1"})
+    return JSONResponse(body, status_code=error.status, headers=error.headers)

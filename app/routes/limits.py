@@ -11,8 +11,7 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
 
 from app.deps import ServicesDep, TenantDep
-from app.errors import APIError
-from app.limits import WINDOW_MS, Decision, LimiterUnavailable, Limits, WindowState
+from app.limits import WINDOW_MS, Decision, Limits, WindowState
 from app.routes.guarded import TenantRoute
 
 router = APIRouter(prefix="/v1", tags=["limits"], route_class=TenantRoute)
@@ -90,13 +89,8 @@ async def rate_limits(principal: TenantDep, services: ServicesDep, response: Res
     limits = principal.limits
     headroom = None
     if not limits.unlimited:
-        try:
-            state = await services.limiter.peek(principal.tenant_id)
-        except LimiterUnavailable as error:
-            # Unlike admission, fail-open has nothing to let through here: the state is just unknown.
-            raise APIError(503, "Rate limiting is unavailable right now; please retry shortly.",
-                           type="server_error", code="rate_limiter_unavailable",
-                           headers={"retry-after": "1"}) from error  # fmt: skip
+        # LimiterUnavailable becomes a 503: unlike admission, fail-open has nothing to let through here.
+        state = await services.limiter.peek(principal.tenant_id)
         headroom = _headroom(state, limits)
         response.headers.update(_headers(state, limits))
     return RateLimitsOut(

@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from app.deps import AdminDep, ServicesDep, TenantDep
-from app.errors import APIError
+from app.errors import InvalidParameter, NotFound
 from app.routes.guarded import AdminRoute, TenantRoute
 from app.schemas.usage import BillOut, UsageList, UsageRowOut
 from billing import pricing, repository
@@ -35,16 +35,16 @@ def _utc(moment: datetime, param: str) -> datetime:
     try:
         return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
     except OverflowError:
-        raise APIError(400, f"{param} is out of range once converted to UTC", param=param) from None
+        raise InvalidParameter(f"{param} is out of range once converted to UTC", param=param) from None
 
 
 def usage_period(start: datetime, end: datetime) -> tuple[datetime, datetime]:
     """(start, end) in UTC; 400 naming `end` unless start < end <= start + 93 days."""
     start, end = _utc(start, "start"), _utc(end, "end")
     if end <= start:
-        raise APIError(400, "end must be after start", param="end")
+        raise InvalidParameter("end must be after start", param="end")
     if end - start > MAX_USAGE_SPAN:
-        raise APIError(400, f"the period may span at most {MAX_USAGE_SPAN.days} days", param="end")
+        raise InvalidParameter(f"the period may span at most {MAX_USAGE_SPAN.days} days", param="end")
     return start, end
 
 
@@ -77,7 +77,7 @@ def admin_usage(
             try:
                 repository.get_tenant(session, tenant_id=tenant_id)
             except TenantNotFound as error:
-                raise APIError(404, str(error), param="tenant_id", code="not_found") from None
+                raise NotFound(str(error), param="tenant_id") from None
         rows = usage(session, tenant_id=tenant_id, start=start, end=end, group_by=group_by)
     data = [UsageRowOut.model_validate(row) for row in rows]
     return UsageList(start=start, end=end, group_by=group_by, data=data)
@@ -98,4 +98,4 @@ def tenant_bill(
         with services.session_factory() as session:
             return BillOut.model_validate(pricing.bill(session, tenant_id=tenant_id, start=start, end=end))
     except pricing.InvalidPeriod as error:
-        raise APIError(400, str(error), param=error.param) from None
+        raise InvalidParameter(str(error), param=error.param) from None

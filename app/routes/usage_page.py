@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from app.errors import APIError
+from app.errors import NotFound
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 # A fixed allow-list, not a static directory mount: only these files can ever be served from here.
@@ -44,5 +44,5 @@ def usage_page() -> Response:
 def usage_asset(name: str) -> Response:
     media_type = ASSETS.get(name)
     if media_type is None:
-        raise APIError(404, f"No such asset: {name!r}.", code="not_found")
+        raise NotFound(f"No such asset: {name!r}.")
     return Response(_read(name), media_type=media_type, headers=HEADERS)

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
-from deployments.engine.sampling_params import MIN_REPETITION_PENALTY  # the sampler's float32 floor
+from deployments.engine.interface import MIN_REPETITION_PENALTY  # the sampler's float32 floor
 
 MAX_STOP = 4  # as OpenAI
 

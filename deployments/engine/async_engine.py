@@ -1,9 +1,11 @@
 """AsyncEngine: runs LLMEngine.step() in a dedicated thread and streams outputs to asyncio callers.
 
 The forward pass is long CPU/GPU work; keeping it off the event loop keeps the replica responsive
-(health checks, new requests, aborts). Callers talk to the loop thread through an inbox; outputs come
-back through per-request asyncio queues on the caller's loop. Leaving `generate()` early (client
-disconnect, cancellation) aborts the request, so no generation is ever orphaned.
+(health checks, new requests, aborts). The engine's state (scheduler, KV blocks, adapter tiers) belongs to
+that loop thread alone: callers on other threads hand it jobs through an inbox (`run_on_loop`, `call`, the
+adapter operations), and read its load and residency from a snapshot the loop publishes after every
+iteration (`stats`). Outputs come back through per-request asyncio queues on the caller's loop. Leaving
+`generate()` early (client disconnect, cancellation) aborts the request, so no generation is orphaned.
 """
 
 import asyncio
@@ -11,19 +13,21 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 from adapters.ref import AdapterRef
 from deployments.engine.config import EngineConfig
-from deployments.engine.errors import DuplicateRequestId, EngineStopped
+from deployments.engine.errors import DuplicateRequestId, EngineError, EngineStopped
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
-from deployments.engine.sampling_params import SamplingParams
 from deployments.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -33,14 +37,17 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
-        self.engine = LLMEngine(config, loaded=loaded)
+    def __init__(
+        self, config: EngineConfig, *, loaded: LoadedModel | None = None, replica_name: str | None = None
+    ) -> None:
+        self.engine = LLMEngine(config, loaded=loaded, replica_name=replica_name)
         self.engine.adapters.on_loaded = self._wake
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
         self._error: BaseException | None = None
+        self._stats = self.engine.stats()  # replaced by the loop thread, read by anyone
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -48,20 +55,22 @@ class AsyncEngine:
     def config(self) -> EngineConfig:
         return self.engine.config
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        adapter: AdapterRef | None = None,
-        *,
-        cache_salt: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
+    @property
+    def replica_name(self) -> str:
+        return self.engine.replica_name
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the loop died, if it did (Serve's health check restarts the replica then)."""
+        return self._error
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs for one request. Bad input raises before the first yield."""
         self._check_running()
+        request_id = request.request_id
         if request_id in self._streams:
             raise DuplicateRequestId(request_id)
-        seq = self.engine.make_sequence(request_id, prompt_ids, params, adapter, cache_salt=cache_salt)
+        seq = self.engine.make_sequence(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._submit(lambda: self._add(seq))
@@ -70,6 +79,7 @@ class AsyncEngine:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # refused, or the engine stopped: nothing left to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -79,34 +89,29 @@ class AsyncEngine:
             if not finished:  # the caller went away: stop generating for it
                 self._submit(lambda: self._abort(request_id))
 
-    def generate_request(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
-        return self.generate(
-            request.request_id,
-            request.prompt_ids,
-            request.params,
-            request.adapter,
-            cache_salt=request.cache_salt,
-        )
-
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
-        """Run `fn(engine)` on the loop thread between steps (adapter pin/remove, etc.)."""
-        self._check_running()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[object] = loop.create_future()
+    def run_on_loop(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
+        """Run `fn(engine)` on the loop thread between steps; the future holds its result or error. The
+        way for other threads to read or change engine state."""
+        future: Future[T] = Future()
 
         def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
             try:
-                result = fn(self.engine)
+                future.set_result(fn(self.engine))
             except Exception as error:
-                loop.call_soon_threadsafe(_set_exception, done, error)
-            else:
-                loop.call_soon_threadsafe(_set_result, done, result)
+                future.set_exception(error)
 
+        self._check_running()
         self._submit(job)
-        return await done
+        return future
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`run_on_loop`, awaited from asyncio."""
+        return await asyncio.wrap_future(self.run_on_loop(fn))
 
     # Adapter operations run on the loop thread between steps; errors (a ref that vanished) are logged.
 
@@ -123,6 +128,12 @@ class AsyncEngine:
         # Only starts the load; reading the files happens in the adapter loader's threads.
         self._submit(self._logged(lambda: self.engine.adapters.prefetch(ref), f"prefetch {ref}"))
 
+    def reconcile_adapters(
+        self, *, live: set[str], pinned: set[AdapterRef], prefetch: list[AdapterRef]
+    ) -> "Future[None]":
+        """AdapterManager.reconcile on the loop thread (the registry watcher's one way in)."""
+        return self.run_on_loop(lambda e: e.adapters.reconcile(live=live, pinned=pinned, prefetch=prefetch))
+
     @staticmethod
     def _logged(job: Callable[[], object], what: str) -> Callable[[], None]:
         def run() -> None:
@@ -134,7 +145,8 @@ class AsyncEngine:
         return run
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """Load and residency as of the loop's last iteration (a snapshot: safe from any thread)."""
+        return self._stats
 
     @property
     def running(self) -> bool:
@@ -161,9 +173,14 @@ class AsyncEngine:
             raise EngineStopped(f"engine is not running: {self._error or 'shut down'}")
 
     def _add(self, seq: Sequence) -> None:
-        if seq.request_id not in self._streams:  # cancelled before it reached the loop
+        stream = self._streams.get(seq.request_id)
+        if stream is None:  # cancelled before it reached the loop
             return
-        self.engine.add_sequence(seq)
+        try:
+            self.engine.add_sequence(seq)
+        except EngineError as error:  # refused (overloaded, unknown adapter): the caller raises it
+            del self._streams[seq.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort(request_id)
@@ -180,6 +197,7 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if outputs:
                         self._deliver(outputs)
+                self._stats = self.engine.stats()
                 if (not busy or self.engine.last_step_tokens == 0) and self._inbox.empty():
                     # Idle, or every waiting request waits on an adapter load: sleep until woken.
                     self._wakeup.wait(timeout=0.05 if busy else 1.0)
@@ -214,13 +232,3 @@ class AsyncEngine:
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(out)
-
-
-def _set_result(future: asyncio.Future[object], value: object) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future[object], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

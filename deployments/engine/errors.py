@@ -21,14 +21,21 @@ class EmptyPrompt(InvalidRequest):
 
 
 class PromptTooLong(InvalidRequest):
-    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, prompt_tokens: int, max_tokens: int, max_model_len: int, *, param: str = "prompt"
+    ) -> None:
         super().__init__(
             f"prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}, but the model's context "
             f"is {max_model_len} tokens",
-            param="prompt",
+            param=param,
         )
         self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
         self.max_model_len = max_model_len
+
+    def for_param(self, param: str) -> "PromptTooLong":
+        """The same error, naming the request field the prompt came from (chat calls it `messages`)."""
+        return PromptTooLong(self.prompt_tokens, self.max_tokens, self.max_model_len, param=param)
 
 
 class InvalidSamplingParams(InvalidRequest):

@@ -11,9 +11,8 @@ import time
 
 import torch
 
-from adapters.ref import AdapterRef
 from adapters.store import AdapterStore
-from deployments.engine.adapter_manager import AdapterManager
+from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
 from deployments.engine.config import EngineConfig
 from deployments.engine.detokenizer import IncrementalDetokenizer
@@ -28,17 +27,19 @@ from deployments.engine.kv_cache import KVCache
 from deployments.engine.lora_kernels import select_kernel
 from deployments.engine.model_loader import LoadedModel, load_model
 from deployments.engine.model_runner import ModelRunner
-from deployments.engine.outputs import EngineStats, RequestOutput, RequestUsage
+from deployments.engine.outputs import EngineStats, FinishReason, RequestOutput, RequestUsage
+from deployments.engine.request import EngineRequest
 from deployments.engine.sampler import Sampler, SamplingRow
-from deployments.engine.sampling_params import SamplingParams
 from deployments.engine.scheduler import ScheduledSequence, Scheduler
-from deployments.engine.sequence import FinishReason, Sequence
+from deployments.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, loaded: LoadedModel | None = None, replica_name: str | None = None
+    ) -> None:
         self.config = config
         self.loaded = loaded or load_model(config)
         m = self.loaded
@@ -93,7 +94,8 @@ class LLMEngine:
         self._started = time.monotonic()
         self.busy_seconds = 0.0
         self.steps = 0
-        self.replica_name = f"{socket.gethostname()}:{os.getpid()}"  # the Serve replica sets its own id
+        # Usage rows name the replica that served them; a Serve replica passes its own id.
+        self.replica_name = replica_name or f"{socket.gethostname()}:{os.getpid()}"
         self.last_step_tokens = 0
         self.adapter_requests = 0
         self.adapter_arrival_hits = 0
@@ -108,18 +110,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def make_sequence(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        adapter: AdapterRef | None = None,
-        *,
-        cache_salt: str | None = None,
-    ) -> Sequence:
-        """Validate a request and build its Sequence; raises a named error for bad input. Thread-safe."""
-        if request_id in self._requests:
-            raise DuplicateRequestId(request_id)
+    def make_sequence(self, request: EngineRequest) -> Sequence:
+        """Validate a request's own input and build its Sequence; raises a named error for bad input.
+        Reads only the engine's fixed configuration, so any thread may call it; what depends on the
+        engine's state (queue length, the adapter) is checked by `add_sequence` on the loop thread."""
+        prompt_ids, params = request.prompt_ids, request.params
         if not prompt_ids:
             raise EmptyPrompt()
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
@@ -128,26 +123,27 @@ class LLMEngine:
         room = self.max_model_len - n
         if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
             raise PromptTooLong(n, params.max_tokens or 1, self.max_model_len)
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
-        if adapter is not None:
-            self.adapters.check(adapter)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return Sequence(
-            request_id=request_id,
+            request_id=request.request_id,
             prompt_ids=list(prompt_ids),
             params=params,
-            adapter=adapter,
+            adapter=request.adapter,
             max_tokens=params.max_tokens or room,
             generator=generator,
-            cache_salt=cache_salt,
+            cache_salt=request.cache_salt,
         )
 
     def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence; raises a named error if the engine cannot take it now."""
         if seq.request_id in self._requests:
             raise DuplicateRequestId(seq.request_id)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
+        if seq.adapter is not None:
+            self.adapters.check(seq.adapter)
         self._requests[seq.request_id] = seq
         if seq.adapter is not None:  # routing quality: did the request find its adapter already here?
             self.adapter_requests += 1
@@ -160,16 +156,8 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        adapter: AdapterRef | None = None,
-        *,
-        cache_salt: str | None = None,
-    ) -> None:
-        self.add_sequence(self.make_sequence(request_id, prompt_ids, params, adapter, cache_salt=cache_salt))
+    def add_request(self, request: EngineRequest) -> None:
+        self.add_sequence(self.make_sequence(request))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now, freeing its KV blocks and slot; returns its final output (None if unknown)."""

@@ -11,31 +11,37 @@ import hashlib
 import logging
 import platform
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from deployments.engine.lora_layers import LoRABatch
-
 log = logging.getLogger(__name__)
 
-LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "LoRABatch"], None]
+
+@dataclass(slots=True)
+class LoRABatch:
+    """How this step's tokens map to slots. Tokens [0, num_lora_tokens) carry adapters, sorted by slot."""
+
+    num_lora_tokens: int
+    offsets: torch.Tensor  # [max_loras] int32, cumulative end of each slot's segment (on the device)
+    segments: list[tuple[int, int, int]]  # (slot, start, end) for the non-empty segments, host-side
+    segment_table: torch.Tensor  # [G, 3] int64 on the host: the same segments, for the C++ kernel
+
+
+LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRABatch], None]
 SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.cpp"
 
 
-def loop_kernel(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: "LoRABatch"
-) -> None:
+def loop_kernel(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
     for slot, start, end in batch.segments:
         y[start:end] += ((x[start:end] @ a[slot]) @ b[slot]).to(y.dtype)
 
 
 def grouped_mm_kernel(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: "LoRABatch"
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
 ) -> None:
     h = torch._grouped_mm(x, a, offs=batch.offsets)  # [n, R]
     y[: batch.num_lora_tokens] += torch._grouped_mm(h, b, offs=batch.offsets).to(y.dtype)
@@ -72,7 +78,7 @@ def _cpu_extension() -> ModuleType | None:
 
 
 def sgmv_cpu_kernel(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: "LoRABatch"
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
 ) -> None:
     ext = _cpu_extension()
     assert ext is not None

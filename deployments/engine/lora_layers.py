@@ -9,23 +9,12 @@ that the engine owns (no module-level global: two engines in one process stay in
 """
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from adapters.weights import AdapterWeights
-from deployments.engine.lora_kernels import LoRAKernel, loop_kernel
-
-
-@dataclass(slots=True)
-class LoRABatch:
-    """How this step's tokens map to slots. Tokens [0, num_lora_tokens) carry adapters, sorted by slot."""
-
-    num_lora_tokens: int
-    offsets: torch.Tensor  # [max_loras] int32, cumulative end of each slot's segment (on the device)
-    segments: list[tuple[int, int, int]]  # (slot, start, end) for the non-empty segments, host-side
-    segment_table: torch.Tensor  # [G, 3] int64 on the host: the same segments, for the C++ kernel
+from deployments.engine.lora_kernels import LoRABatch, LoRAKernel, loop_kernel
 
 
 class LoRAContext:

@@ -10,7 +10,8 @@ import torch
 
 from deployments.engine.attention import METADATA_KWARG, AttentionMetadata, PrefillSpan
 from deployments.engine.kv_cache import KVCache
-from deployments.engine.lora_layers import LoRABatch, LoRAContext
+from deployments.engine.lora_kernels import LoRABatch
+from deployments.engine.lora_layers import LoRAContext
 from deployments.engine.model_loader import LoadedModel
 from deployments.engine.scheduler import ScheduledSequence
 

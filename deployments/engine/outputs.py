@@ -1,8 +1,14 @@
 """What the engine hands back per request and step: text deltas, and usage on the final output."""
 
+import enum
 from dataclasses import dataclass, field
 
-from deployments.engine.sequence import FinishReason
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the caller aborted (client disconnect)
+    ERROR = "error"  # the engine could not serve it (e.g. adapter failed to load)
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,9 +12,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from adapters.errors import AdapterError
-from deployments.engine.adapter_manager import AdapterManager
+from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
-from deployments.engine.sequence import FinishReason, Sequence, SequenceStatus
+from deployments.engine.outputs import FinishReason
+from deployments.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adapters.ref import AdapterRef
+from deployments.engine.outputs import FinishReason
 from deployments.engine.sampling_params import SamplingParams
 
 
@@ -14,13 +15,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds KV blocks and an adapter slot
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # the caller aborted (client disconnect)
-    ERROR = "error"  # the engine could not serve it (e.g. adapter failed to load)
 
 
 @dataclass(slots=True)

@@ -17,13 +17,13 @@ from click.testing import Result
 
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
-from app.engine_client import LocalEngineClient
 from app.main import create_app
 from app.services import Services
 from app.settings import Settings
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
+from deployments.engine.interface import LocalEngineClient
 from deployments.registry_watcher import RegistryWatcher
 from tests.model_fixtures import TinySetup
 

@@ -18,7 +18,7 @@ GENERATED_ID = re.compile(r"^req_[0-9a-f]{32}$")
 ERROR_KEYS = {"message", "type", "param", "code"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-VOCAB_SIZE = 2048  # the tiny model's vocabulary (deployments/engine/demo_model.py, preset "tiny")
+VOCAB_SIZE = 2048  # the tiny model's vocabulary (app/modelprep/demo_model.py, preset "tiny")
 CONTEXT = 1024  # its max_position_embeddings
 
 

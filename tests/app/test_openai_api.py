@@ -9,6 +9,7 @@ from openai import OpenAI
 
 from app.schemas.openai import ChatMessage
 from deployments.engine.config import EngineConfig
+from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from tests.app.conftest import MODEL, Served
@@ -35,7 +36,7 @@ def reference(served: Served) -> LLMEngine:
 
 
 def engine_text(reference: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> str:
-    reference.add_request(f"ref-{time.monotonic_ns()}", prompt_ids, params)
+    reference.add_request(EngineRequest(f"ref-{time.monotonic_ns()}", prompt_ids, params))
     return text(next(iter(drain(reference).values())))
 
 

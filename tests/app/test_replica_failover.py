@@ -9,8 +9,8 @@ from collections.abc import AsyncGenerator
 import httpx
 import pytest
 
-from app.engine_client import EngineClient
 from deployments.engine.errors import ReplicaLost
+from deployments.engine.interface import EngineClient
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.request import EngineRequest
 from tests.app.conftest import MODEL, Served

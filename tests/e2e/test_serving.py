@@ -10,6 +10,7 @@ from openai import NotFoundError, OpenAI
 from app.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
 from deployments.engine.config import EngineConfig
+from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import ServeApp
@@ -36,7 +37,7 @@ def test_chat_over_http_equals_the_engine(serve_app: ServeApp, client: OpenAI, m
     )
     engine = LLMEngine(EngineConfig(model=setup.model_dir, adapter_store=setup.store_root, num_kv_blocks=64))
     prompt = PromptBuilder(setup.model_dir).chat([ChatMessage(**m) for m in MESSAGES])
-    engine.add_request("ref", prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=3))
+    engine.add_request(EngineRequest("ref", prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=3)))
     assert reply.choices[0].message.content == text(drain(engine)["ref"])
     assert reply.usage.prompt_tokens == len(prompt)
     engine.close()

@@ -8,8 +8,8 @@ import pytest
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped, PromptTooLong
+from deployments.engine.interface import EngineRequest, FinishReason
 from deployments.engine.sampling_params import SamplingParams
-from deployments.engine.sequence import FinishReason
 from tests.engine.helpers import drain, make_engine, text, tokens
 from tests.model_fixtures import TinySetup
 
@@ -25,7 +25,7 @@ def engine(llama: TinySetup):
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams, ref=None):
-    return [out async for out in engine.generate(rid, prompt, params, ref)]
+    return [out async for out in engine.generate(EngineRequest(rid, prompt, params, ref))]
 
 
 async def test_streams_the_same_text_as_the_sync_engine(engine: AsyncEngine, llama: TinySetup) -> None:
@@ -37,7 +37,7 @@ async def test_streams_the_same_text_as_the_sync_engine(engine: AsyncEngine, lla
     assert all(not out.finished for out in streamed[:-1])
 
     sync = make_engine(llama)
-    sync.add_request("s", [1, 2, 3, 4], params, llama.refs["demo-pirate"])
+    sync.add_request(EngineRequest("s", [1, 2, 3, 4], params, llama.refs["demo-pirate"]))
     reference = drain(sync)["s"]
     assert tokens(streamed) == tokens(reference)
     assert (
@@ -68,7 +68,7 @@ async def test_concurrent_requests_over_many_adapters(engine: AsyncEngine, llama
 async def test_leaving_the_stream_aborts_the_request(engine: AsyncEngine) -> None:
     params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
     received = []
-    async for out in engine.generate("gone", [1, 2, 3], params):
+    async for out in engine.generate(EngineRequest("gone", [1, 2, 3], params)):
         received.append(out)
         if len(received) == 3:
             break  # the client disconnected

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from deployments.engine.lora_kernels import (
+    LoRABatch,
     _cpu_extension,
     grouped_mm_kernel,
     loop_kernel,
     select_kernel,
     sgmv_cpu_kernel,
 )
-from deployments.engine.lora_layers import LoRABatch
 
 
 def make_batch(lengths: dict[int, int], max_loras: int) -> LoRABatch:

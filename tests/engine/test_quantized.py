@@ -17,7 +17,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 from adapters.ref import AdapterRef
-from deployments.engine.awq_export import export_awq, load_dequantized_state_dict
+from app.modelprep.awq_export import export_awq, load_dequantized_state_dict
+from deployments.engine.interface import EngineRequest
 from deployments.engine.sampling_params import SamplingParams
 from tests.engine.helpers import drain, make_engine, preload, tokens
 from tests.engine.reference import PeftReference
@@ -64,7 +65,7 @@ def engine_outputs(quant: QuantSetup, model_dir: Path, **config) -> list[list[in
     refs: dict[str, AdapterRef] = quant.tiny.refs
     for i, (adapter, prompt) in enumerate(REQUESTS):
         params = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-        engine.add_request(f"r{i}", prompt, params, None if adapter is None else refs[adapter])
+        engine.add_request(EngineRequest(f"r{i}", prompt, params, None if adapter is None else refs[adapter]))
     outputs = drain(engine)
     engine.close()
     return [tokens(outputs[f"r{i}"]) for i in range(len(REQUESTS))]
@@ -122,7 +123,9 @@ def test_awq_is_close_to_the_fp32_model_with_the_same_dequantized_weights(quant:
     engine.runner.run = capture
     for i, (adapter, prompt) in enumerate(REQUESTS):
         engine.add_request(
-            f"r{i}", prompt, SamplingParams(max_tokens=1), None if adapter is None else tiny.refs[adapter]
+            EngineRequest(
+                f"r{i}", prompt, SamplingParams(max_tokens=1), None if adapter is None else tiny.refs[adapter]
+            )
         )
     drain(engine)
     for i, (adapter, prompt) in enumerate(REQUESTS):

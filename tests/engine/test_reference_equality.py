@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from deployments.engine.config import EngineConfig
+from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.sampling_params import SamplingParams
@@ -52,7 +53,9 @@ def run_engine(engine: LLMEngine, arrivals: list[Arrival]) -> dict[str, list[Req
             a = pending.pop(0)
             ref = None if a.adapter is None else engine.adapters.store.latest(a.adapter)
             engine.add_request(
-                a.request_id, a.prompt, SamplingParams(max_tokens=a.max_tokens, temperature=0), ref
+                EngineRequest(
+                    a.request_id, a.prompt, SamplingParams(max_tokens=a.max_tokens, temperature=0), ref
+                )
             )
         for out in engine.step():
             outputs[out.request_id].append(out)

@@ -15,9 +15,9 @@ import ray
 import redis
 
 from app.limits import LimiterBackend
-from deployments.limiter_ray import ACTOR_NAME, RayLimiter
-from deployments.limiter_redis import RedisLimiter
-from deployments.limiter_state import LocalLimiter
+from app.limits.local_backend import LocalLimiter
+from app.limits.ray_backend import ACTOR_NAME, RayLimiter
+from app.limits.redis_backend import RedisLimiter
 
 REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 BACKENDS = ["local", "ray", "redis"]

@@ -14,8 +14,8 @@ import redis
 from redis.crc import key_slot
 
 from app.limits import WINDOW_MS, Decision, LimiterBackend, LimiterUnavailable, Limits
-from deployments.limiter_redis import RedisLimiter
-from deployments.limiter_state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS
+from app.limits.redis_backend import RedisLimiter
+from app.limits.state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS
 
 TENANT = "acme"
 

@@ -9,8 +9,8 @@ import redis
 
 from app.admission import Admission
 from app.limits import LimiterUnavailable, Limits
-from deployments.limiter_redis import RedisLimiter
-from deployments.limiter_state import LocalLimiter
+from app.limits.local_backend import LocalLimiter
+from app.limits.redis_backend import RedisLimiter
 
 LIMITS = Limits(max_concurrent=2)
 

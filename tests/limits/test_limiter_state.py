@@ -5,7 +5,7 @@ from collections import OrderedDict
 import pytest
 
 from app.limits import WINDOW_MS, Decision, Limits, format_duration
-from deployments.limiter_state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS, LimiterState, _Tenant
+from app.limits.state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS, LimiterState, _Tenant
 
 T = "acme"
 

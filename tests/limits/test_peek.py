@@ -7,8 +7,8 @@ import uuid
 import redis
 
 from app.limits import WINDOW_MS, LimiterBackend, Limits, WindowState
-from deployments.limiter_redis import RedisLimiter
-from deployments.limiter_state import LimiterState
+from app.limits.redis_backend import RedisLimiter
+from app.limits.state import LimiterState
 
 TENANT = "acme"
 EMPTY = WindowState(requests=0, tokens=0, in_flight=0, queued=0, reset_requests_ms=0, reset_tokens_ms=0)

@@ -3,6 +3,7 @@ router will pick), so an upload costs one load per deployment; without peers it 
 
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,19 +18,18 @@ REPLICAS = ["r1", "r2", "r3"]
 
 
 class FakeEngine:
-    """What the watcher drives on AsyncEngine: prefetch, pins, drops."""
+    """What the watcher drives on AsyncEngine: one reconciliation per pass (drops, pins, prefetches)."""
 
     def __init__(self) -> None:
         self.prefetched: list[AdapterRef] = []
-        self.engine = SimpleNamespace(
-            adapters=SimpleNamespace(held=lambda: [], slots=SimpleNamespace(pinned={}))
-        )
 
-    def prefetch_adapter(self, ref: AdapterRef) -> None:
-        self.prefetched.append(ref)
-
-    def remove_adapter(self, adapter_id: str) -> None:
-        pass
+    def reconcile_adapters(
+        self, *, live: set[str], pinned: set[AdapterRef], prefetch: list[AdapterRef]
+    ) -> "Future[None]":
+        self.prefetched += prefetch
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from deployments.engine.demo_model import (
+from app.modelprep.demo_model import (
     ARCHS,
     BOS,
     EOS,

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Literal, Protocol
 
 from adapters.ref import AdapterRef
-from deployments.engine.outputs import RequestUsage
+from deployments.engine.interface import RequestUsage
 
 RequestStatus = Literal["completed", "aborted", "failed"]
 

@@ -1,5 +1,5 @@
 """LimiterState: the rate-limit algorithm on in-memory state. The in-cluster Ray actor holds one of these;
-the Redis backend runs the same steps in a Lua script (deployments/limiter_redis.py), and one test suite
+the Redis backend runs the same steps in a Lua script (redis_backend.py), and one test suite
 holds both to the same behaviour.
 
 Per tenant: a sliding-window log of admitted requests, a sliding window of token reservations (reconciled
@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from app.limits import WINDOW_MS, Decision, LimiterBackend, Limits, Reason, WindowState
+from app.limits.protocol import WINDOW_MS, Decision, Limits, Reason, WindowState
 
 QUEUE_STALE_MS = 2_000  # a waiter that has not polled for this long has given up
 CONCURRENCY_RETRY_MS = 250  # nobody knows when a running request ends: poll again soon
@@ -156,27 +156,3 @@ class LimiterState:
             remaining_tokens=None if limits.tpm is None else limits.tpm - t.token_total,
             reset_tokens_ms=max(0, reset_tokens),
         )
-
-
-class LocalLimiter(LimiterBackend):
-    """LimiterState in this process: correct for one ingress replica (tests, single-process tools)."""
-
-    def __init__(self) -> None:
-        self.state = LimiterState()
-
-    async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, queued: bool
-    ) -> Decision:
-        return self.state.admit(tenant, request_id, limits, reserve_tokens, queued=queued)
-
-    async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
-        self.state.release(tenant, request_id, used_tokens)
-
-    async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
-        self.state.renew(tenant, request_id, limits.lease_ttl_ms)
-
-    async def leave_queue(self, tenant: str, request_id: str) -> None:
-        self.state.leave_queue(tenant, request_id)
-
-    async def peek(self, tenant: str) -> WindowState:
-        return self.state.peek(tenant)

@@ -27,8 +27,16 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from app.limits import WINDOW_MS, Decision, LimiterBackend, LimiterUnavailable, Limits, Reason, WindowState
-from deployments.limiter_state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS
+from app.limits.protocol import (
+    WINDOW_MS,
+    Decision,
+    LimiterBackend,
+    LimiterUnavailable,
+    Limits,
+    Reason,
+    WindowState,
+)
+from app.limits.state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS
 
 QUEUED_RETRY_MS = 50  # LimiterState's literal for a waiter that is not at the head of the queue
 _KEY_SUFFIXES = ("requests", "tokens:at", "tokens:n", "tokens:total", "leases", "queue", "queue:seen")

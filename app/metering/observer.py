@@ -8,9 +8,9 @@ from datetime import UTC, timedelta
 
 from starlette.concurrency import run_in_threadpool
 
-from app.observers import RequestRecord
-from app.outbox import Outbox
-from app.usage_delivery import UsageDelivery
+from app.metering.delivery import UsageDelivery
+from app.metering.outbox import Outbox
+from app.metering.request_record import RequestRecord
 from billing.usage import UsageRecord
 
 

@@ -6,7 +6,7 @@ initialises a model from a named shape preset and saves both into one directory,
 then loads like any HF model dir (`AutoModelForCausalLM.from_pretrained(dir)`,
 `AutoTokenizer.from_pretrained(dir)`).
 
-CLI: `python -m deployments.engine.demo_model OUT_DIR [--arch llama] [--preset demo] [--seed 0]
+CLI: `python -m app.modelprep.demo_model OUT_DIR [--arch llama] [--preset demo] [--seed 0]
 [--dtype float32|bfloat16]`.
 """
 

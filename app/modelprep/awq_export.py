@@ -351,7 +351,7 @@ _DTYPES_BY_NAME: Final = {str(d).removeprefix("torch."): d for d in SUPPORTED_DT
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m deployments.engine.awq_export",
+        prog="python -m app.modelprep.awq_export",
         description="Export an HF causal LM to an AWQ GEMM int4 checkpoint: round-to-nearest, no calibration",
     )
     parser.add_argument("src", type=Path, help="source model directory (config.json + safetensors)")

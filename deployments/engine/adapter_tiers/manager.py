@@ -12,7 +12,6 @@ from concurrent.futures import Future
 
 import torch
 
-from adapters.cpu_cache import CpuAdapterCache
 from adapters.errors import (
     AdapterError,
     AdapterInvalid,
@@ -21,10 +20,11 @@ from adapters.errors import (
     AdapterRankTooLarge,
 )
 from adapters.ref import AdapterRef
-from adapters.slot_table import SlotTable
 from adapters.spec import AdapterSpec
 from adapters.store import AdapterStore
 from adapters.weights import AdapterWeights, load_adapter_weights
+from deployments.engine.adapter_tiers.cpu_cache import CpuAdapterCache
+from deployments.engine.adapter_tiers.slot_table import SlotTable
 from deployments.engine.lora_layers import MultiLoRALinear, load_adapter_into_slot
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,28 @@ class AdapterManager:
                 continue
             if slot is not None:
                 self.slots.release(slot)
+
+    def reconcile(self, *, live: set[str], pinned: set[AdapterRef], prefetch: list[AdapterRef]) -> None:
+        """Bring the tiers in line with the registry: every adapter this manager knows whose id is not
+        `live` is dropped (running requests finish on what they hold), exactly `pinned` is pinned, and
+        `prefetch` starts loading. A ref that cannot be pinned or loaded any more is logged and skipped."""
+        known = self.held() | self.slots.pinned | self._specs.keys()
+        for adapter_id in {ref.adapter_id for ref in known} - live:
+            log.info("adapter %s is gone from the registry: dropping it", adapter_id)
+            self.remove(adapter_id)
+        for ref in self.slots.pinned - pinned:
+            self.unpin(ref)
+        for ref in prefetch:
+            self._try("prefetch", self.prefetch, ref)
+        for ref in pinned - self.slots.pinned:
+            self._try("pin", self.pin, ref)
+
+    @staticmethod
+    def _try(what: str, action: Callable[[AdapterRef], object], ref: AdapterRef) -> None:
+        try:
+            action(ref)
+        except AdapterError as error:
+            log.warning("%s %s failed: %s", what, ref, error)
 
     def held(self) -> set[AdapterRef]:
         """Every version this engine has in a slot, in CPU memory, or loading."""

@@ -10,8 +10,8 @@ from typing import Any
 
 import ray
 
-from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits, WindowState
-from deployments.limiter_state import LimiterState
+from app.limits.protocol import Decision, LimiterBackend, LimiterUnavailable, Limits, WindowState
+from app.limits.state import LimiterState
 
 ACTOR_NAME = "loraplex-rate-limiter"
 

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-from deployments.engine.awq_export import (
+from app.modelprep.awq_export import (
     GEMM_PACK_ORDER,
     AwqExportError,
     dequantize_gemm,

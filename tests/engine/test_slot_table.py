@@ -5,7 +5,7 @@ import random
 import pytest
 
 from adapters.ref import AdapterRef
-from adapters.slot_table import SlotTable
+from deployments.engine.adapter_tiers.slot_table import SlotTable
 
 A, B, C, D = (AdapterRef(name, 1) for name in "abcd")
 

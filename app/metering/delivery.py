@@ -13,8 +13,8 @@ from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 
+from app.metering.outbox import Outbox
 from app.metrics import Gauge
-from app.outbox import Outbox
 from billing.usage import UsageRecord
 
 log = logging.getLogger(__name__)

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import adapters.cpu_cache as cpu_cache_module
-from adapters.cpu_cache import CpuAdapterCache
+import deployments.engine.adapter_tiers.cpu_cache as cpu_cache_module
 from adapters.ref import AdapterRef
 from adapters.spec import AdapterSpec
 from adapters.weights import AdapterWeights, LoRAModuleWeights
+from deployments.engine.adapter_tiers.cpu_cache import CpuAdapterCache
 
 A, B, C, D, E = (AdapterRef(name, 1) for name in "abcde")
 WAIT = 5.0  # seconds; only reached if something hangs

@@ -1,0 +1,37 @@
+"""LimiterConfig, serve_config.yaml's `rate_limiter:` section, and the backend it names."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.limits.protocol import LimiterBackend
+
+
+class LimiterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["ray", "redis"] = Field(
+        default="ray", description="ray: one actor in this cluster (no other service); redis: production."
+    )
+    redis_url: str | None = Field(default=None, description="redis://host:port/db, for backend redis.")
+    fail_open: bool = Field(
+        default=False, description="Admit requests when the limiter is unreachable (default: answer 503)."
+    )
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> "LimiterConfig":
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("rate_limiter.backend redis needs rate_limiter.redis_url")
+        return self
+
+
+def make_limiter(config: LimiterConfig) -> LimiterBackend:
+    """The cluster-wide limiter every ingress replica shares (each backend imported only when chosen)."""
+    if config.backend == "redis":
+        from app.limits.redis_backend import RedisLimiter
+
+        assert config.redis_url is not None  # the validator saw to it
+        return RedisLimiter(config.redis_url)
+    from app.limits.ray_backend import RayLimiter
+
+    return RayLimiter()
