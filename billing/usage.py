@@ -2,13 +2,15 @@
 
 Rollups are recomputed from the events for whole hours, so a late event (an outbox that was down) lands in
 its own hour's rollup; the Stripe exporter then sends only the increase (see stripe_export.py).
+hour_expression and as_hour define those UTC hours in SQL; billing.usage_queries groups by them too.
 """
 
 import hashlib
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -78,7 +80,7 @@ def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
     first, last = hour_of(start), hour_of(end)
     if last <= first:
         return 0
-    hour_expr = _hour_expression(session)
+    hour_expr = hour_expression(session)
     adapter_key = func.coalesce(UsageEvent.adapter_id, BASE_ADAPTER_KEY)
     query = (
         select(
@@ -104,7 +106,7 @@ def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
     }
     seen: set[str] = set()
     for row in totals:
-        hour = _as_hour(row.hour)
+        hour = as_hour(row.hour)
         rid = rollup_id(row.tenant_id, row.adapter_key, row.base_model, hour)
         seen.add(rid)
         values = {
@@ -129,15 +131,19 @@ def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
     return len(totals)
 
 
-def _hour_expression(session: Session):  # type: ignore[no-untyped-def]
-    """started_at truncated to its UTC hour, in SQL."""
+def hour_expression(session: Session) -> ColumnElement[Any]:
+    """started_at truncated to its UTC hour, in SQL: the rollups' hours, and billing.usage_queries' too.
+
+    Read the selected value back with as_hour."""
     if session.get_bind().dialect.name == "postgresql":
         return func.date_trunc("hour", func.timezone("UTC", UsageEvent.started_at))
     return func.strftime("%Y-%m-%d %H:00:00", UsageEvent.started_at)  # SQLite stores UTC text
 
 
-def _as_hour(value: object) -> datetime:
+def as_hour(value: object) -> datetime:
+    """A value selected with hour_expression as an aware UTC datetime (SQLite returns it as text)."""
     if isinstance(value, str):
         return datetime.strptime(value, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
-    assert isinstance(value, datetime)
+    if not isinstance(value, datetime):
+        raise TypeError(f"unexpected hour value {value!r}")
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

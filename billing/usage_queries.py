@@ -3,9 +3,9 @@
 Unlike a bill (billing.pricing, made of the hourly rollups of closed hours), this sees every request as
 soon as it is recorded, the current hour included; it is for dashboards and the usage API, not invoicing.
 
-A request belongs to the UTC hour in which it started (as in the rollups), and to a period [start, end)
-when start <= started_at < end. Grouping, always within a tenant (the admin view across tenants adds the
-tenant to every key):
+A request belongs to the UTC hour in which it started (billing.usage.hour_expression, as in the rollups),
+and to a period [start, end) when start <= started_at < end. Grouping, always within a tenant (the admin
+view across tenants adds the tenant to every key):
 - "hour": per UTC hour (hours without requests are left out);
 - "model": per base model;
 - "adapter": per (base model, adapter), requests without an adapter as the adapter "base".
@@ -20,7 +20,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from billing.models import UsageEvent
 from billing.pricing import adapter_names
-from billing.usage import BASE_ADAPTER_KEY
+from billing.usage import BASE_ADAPTER_KEY, as_hour, hour_expression
 
 GroupBy = Literal["hour", "adapter", "model"]
 GROUP_BY_VALUES: tuple[str, ...] = get_args(GroupBy)
@@ -57,7 +57,7 @@ def usage(
         raise ValueError(f"group_by must be one of {', '.join(GROUP_BY_VALUES)}, got {group_by!r}")
     keys: list[ColumnElement[Any] | InstrumentedAttribute[Any]] = [UsageEvent.tenant_id]
     if group_by == "hour":
-        keys.append(_hour_expression(session).label("hour"))
+        keys.append(hour_expression(session).label("hour"))
     else:
         keys.append(UsageEvent.base_model)
     if group_by == "adapter":
@@ -95,7 +95,7 @@ def _usage_row(row: Row[*tuple[Any, ...]], group_by: GroupBy, names: dict[str, s
         adapter = BASE_ADAPTER_KEY if adapter_id is None else names.get(adapter_id, adapter_id)
     return UsageRow(
         tenant_id=str(row.tenant_id),
-        hour=_as_hour(row.hour) if group_by == "hour" else None,
+        hour=as_hour(row.hour) if group_by == "hour" else None,
         base_model=None if group_by == "hour" else str(row.base_model),
         adapter_id=adapter_id,
         adapter=adapter,
@@ -116,21 +116,6 @@ def _order(row: UsageRow) -> tuple[Any, ...]:
         row.adapter or "",
         row.adapter_id or "",
     )
-
-
-def _hour_expression(session: Session) -> ColumnElement[Any]:
-    """started_at truncated to its UTC hour, in SQL: the same buckets as billing.usage's rollups."""
-    if session.get_bind().dialect.name == "postgresql":
-        return func.date_trunc("hour", func.timezone("UTC", UsageEvent.started_at))
-    return func.strftime("%Y-%m-%d %H:00:00", UsageEvent.started_at)  # SQLite stores UTC text
-
-
-def _as_hour(value: object) -> datetime:
-    if isinstance(value, str):
-        return datetime.strptime(value, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
-    if not isinstance(value, datetime):
-        raise TypeError(f"unexpected hour value {value!r}")
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _utc(moment: datetime) -> datetime:

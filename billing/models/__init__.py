@@ -1,0 +1,46 @@
+"""Billing tables as SQLAlchemy 2 models, one noun per module:
+
+- base: Base (its MetaData and naming convention), new_id, utcnow and the UTCDateTime column type;
+- tier: Tier and LIMIT_FIELDS;  tenant: Tenant and TenantStatus;  api_key: ApiKey;
+- adapter: the adapter registry (Adapter, AdapterVersion, PUBLIC_OWNER);
+- usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport.
+
+Importing this package imports every module, so Base.metadata holds every table (migrations/env.py relies
+on it) and foreign keys named as strings ("tenants.id") resolve; import the names from here.
+
+Migrations are written by hand in migrations/versions/; tests/billing/test_migrations.py compares the two
+with Alembic's autogenerate so they cannot drift.
+"""
+
+# isort: off
+# Referenced tables before those that refer to them, as in the former single module: Base.metadata.tables
+# keeps the order it always had.
+from billing.models.base import NAMING_CONVENTION, Base, UTCDateTime, new_id, utcnow
+from billing.models.tier import LIMIT_FIELDS, Tier
+from billing.models.tenant import Tenant, TenantStatus
+from billing.models.api_key import ApiKey
+from billing.models.adapter import PUBLIC_OWNER, Adapter, AdapterVersion
+from billing.models.usage import UsageEvent, UsageRollup
+from billing.models.stripe_export import StripeExport
+from billing.models.engine_report import EngineReport
+# isort: on
+
+__all__ = [
+    "LIMIT_FIELDS",
+    "NAMING_CONVENTION",
+    "PUBLIC_OWNER",
+    "Adapter",
+    "AdapterVersion",
+    "ApiKey",
+    "Base",
+    "EngineReport",
+    "StripeExport",
+    "Tenant",
+    "TenantStatus",
+    "Tier",
+    "UTCDateTime",
+    "UsageEvent",
+    "UsageRollup",
+    "new_id",
+    "utcnow",
+]
