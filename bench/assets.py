@@ -37,7 +37,7 @@ def ensure_bench_assets(
                 for pname, param in model.named_parameters():
                     if "lora_A" in pname or "lora_B" in pname:
                         param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-            model.save_pretrained(dirs[name])
+            model.save_pretrained(str(dirs[name]))
     store_root = root / f"{preset}-store-r{rank}"
     store = AdapterStore(store_root)
     for name, path in dirs.items():

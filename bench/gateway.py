@@ -14,7 +14,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import httpx
@@ -23,6 +23,7 @@ from ray import serve
 
 from app.auth import generate_key
 from app.bootstrap import build_services
+from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.modelprep.demo_model import ensure_model
 from app.settings import Settings
@@ -36,22 +37,31 @@ from deployments.engine.sampling_params import SamplingParams
 from deployments.serve_engine_client import ServeEngineClient
 
 
-async def instant_outputs(request: EngineRequest) -> AsyncIterator[RequestOutput]:
+async def instant_outputs(request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
     """One finished output, at once: the engine costs nothing, so what remains is the caller's."""
     usage = RequestUsage(len(request.prompt_ids), 0, 1, 0.0, 0.0, 0.0, 0.0, 0)
     yield RequestOutput(request.request_id, "ok", [1], True, FinishReason.LENGTH, None, usage)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 class InstantEngine:
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         async for output in instant_outputs(request):
             yield output
 
 
+# Applied as a call, not as a class decorator, so that the type checker sees a Deployment (as in
+# deployments/builder.py).
+instant_engine = serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)(InstantEngine)
+
+
 class LocalInstantClient:
-    def generate(self, base_model: str, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    """An EngineClient in this process whose engine answers at once."""
+
+    def generate(self, base_model: str, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         return instant_outputs(request)
+
+    async def ready(self, base_model: str) -> bool:
+        return True
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -63,10 +73,11 @@ async def measure(requests: int) -> dict[str, float]:
     model_dir = ensure_model(Path("var/bench/tiny-llama"), arch="llama", preset="tiny")
     url = f"sqlite:///{work / 'db.sqlite'}"
     upgrade(url)
-    settings = Settings(data_dir=work, database_url=url, admin_key="x")  # type: ignore[arg-type]
-    handle = serve.run(InstantEngine.bind(), name="gateway-bench", route_prefix=None)
+    settings = Settings(data_dir=work, database_url=url, admin_key="x")
+    handle = serve.run(instant_engine.bind(), name="gateway-bench", route_prefix=None)
     client = ServeEngineClient({"bench": handle})
-    services = build_services(settings, client, {"bench": (model_dir, None)})
+    specs = {"bench": BaseModelSpec(model_dir)}
+    services = build_services(settings, client, specs)
     key = generate_key(services.key_secret)
     with session_scope(make_session_factory(make_engine(url))) as session:
         tenant = repository.create_tenant(session, name="bench")
@@ -91,7 +102,7 @@ async def measure(requests: int) -> dict[str, float]:
         return (time.perf_counter() - start) * 1e3
 
     # The same app over an in-process engine stub: no Ray round trip (~5 ms, noisy) to drown the ingress.
-    local_services = build_services(settings, LocalInstantClient(), {"bench": (model_dir, None)})  # type: ignore[arg-type]
+    local_services = build_services(settings, LocalInstantClient(), specs)
     local_http = httpx.AsyncClient(
         transport=httpx.ASGITransport(app=create_app(local_services)), base_url="http://b"
     )
@@ -147,7 +158,7 @@ def main() -> None:
     try:
         result = asyncio.run(measure(args.requests))
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]  # unannotated in Ray
         ray.shutdown()
     print(json.dumps(result))
 

@@ -13,6 +13,7 @@ import torch
 
 from deployments.engine.lora_kernels import (
     LoRABatch,
+    LoRAKernel,
     _cpu_extension,
     grouped_mm_kernel,
     loop_kernel,
@@ -33,7 +34,13 @@ def batch_for(tokens: int, adapters: int) -> LoRABatch:
     )
 
 
-def time_kernel(kernel, y: torch.Tensor, x: torch.Tensor, mods: list, batch: LoRABatch) -> float:
+def time_kernel(
+    kernel: LoRAKernel,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    mods: list[tuple[torch.Tensor, torch.Tensor]],
+    batch: LoRABatch,
+) -> float:
     """Microseconds per module call, cycling through distinct weights."""
 
     def run() -> None:
@@ -58,10 +65,11 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     batch = batch_for(args.tokens, args.adapters)
-    kernels = {"loop": loop_kernel, "grouped_mm": grouped_mm_kernel}
+    kernels: dict[str, LoRAKernel] = {"loop": loop_kernel, "grouped_mm": grouped_mm_kernel}
     if _cpu_extension() is not None:
         kernels["sgmv_cpu"] = sgmv_cpu_kernel
     result: dict[str, object] = {"dtype": args.dtype, "tokens": args.tokens, "adapters": args.adapters}
+    per_shape: dict[str, dict[str, float]] = {}
     for label, (in_f, out_f) in SHAPES.items():
         x = torch.randn(args.tokens, in_f, dtype=dtype)
         y = torch.zeros(args.tokens, out_f, dtype=dtype)
@@ -73,7 +81,7 @@ def main() -> None:
             )
             for _ in range(24)
         ]
-        timings = {}
+        timings: dict[str, float] = {}
         for name, kernel in kernels.items():
             timings[name] = time_kernel(kernel, y, x, mods, batch)
         with torch.inference_mode():
@@ -82,15 +90,15 @@ def main() -> None:
             for _ in range(50):
                 linear(x)
             timings["base_linear"] = (time.perf_counter() - start) / 50 * 1e6
-        result[label] = {k: round(v, 1) for k, v in timings.items()}
-        print(label, result[label])
+        per_shape[label] = {k: round(v, 1) for k, v in timings.items()}
+        result[label] = per_shape[label]
+        print(label, per_shape[label])
     if "sgmv_cpu" in kernels:
-        shapes = [result[label] for label in SHAPES]
+        shapes = [per_shape[label] for label in SHAPES]
         result["sgmv_vs_grouped_mm"] = round(
-            sum(s["grouped_mm"] for s in shapes) / sum(s["sgmv_cpu"] for s in shapes),
-            2,  # type: ignore[index]
+            sum(s["grouped_mm"] for s in shapes) / sum(s["sgmv_cpu"] for s in shapes), 2
         )
-        result["sgmv_vs_loop"] = round(sum(s["loop"] for s in shapes) / sum(s["sgmv_cpu"] for s in shapes), 2)  # type: ignore[index]
+        result["sgmv_vs_loop"] = round(sum(s["loop"] for s in shapes) / sum(s["sgmv_cpu"] for s in shapes), 2)
     print(json.dumps(result))
 
 

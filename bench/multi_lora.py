@@ -20,10 +20,11 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from adapters.ref import AdapterRef
 from bench.assets import ensure_bench_assets
@@ -32,6 +33,15 @@ from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.lora_layers import load_adapter_into_slot
 from deployments.engine.sampling_params import SamplingParams
+
+
+class HFGenerator(Protocol):
+    """An HF peer: a transformers causal LM, or a PeftModel around one (which forwards `device`)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -77,15 +87,15 @@ def run_engine(
     return sum(r.max_tokens for r in requests) / (time.perf_counter() - start)
 
 
-def contiguous_lm_head(model: torch.nn.Module) -> None:
+def contiguous_lm_head(model: PreTrainedModel) -> None:
     """HF generate slices hidden states for the last token; with frozen weights the lm_head then copies
     an expanded weight. Making its input contiguous avoids that (applied to every HF peer alike)."""
-    head = model.get_output_embeddings()
+    head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in HF
     head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(),))
 
 
 def run_hf(
-    model: torch.nn.Module, requests: list[Request], adapter_names: list[str] | None, batch_size: int
+    model: HFGenerator, requests: list[Request], adapter_names: list[str] | None, batch_size: int
 ) -> float:
     """Static batches, left-padded, each batch generating until its longest request is done."""
     start = time.perf_counter()
@@ -98,7 +108,7 @@ def run_hf(
             [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device
         )
         longest = max(r.max_tokens for r in batch)
-        kwargs = {}
+        kwargs: dict[str, list[str]] = {}
         if adapter_names is not None:
             kwargs["adapter_names"] = [adapter_names[r.adapter] for r in batch]
         with torch.inference_mode():
@@ -188,7 +198,8 @@ def main() -> None:
     engine.close()
     del engine
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": engine_device}).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": engine_device})
+    base.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is unannotated in HF
     contiguous_lm_head(base)
     hf_base = max(run_hf(base, requests, None, batch) for _ in range(args.repeats))
     peft = PeftModel.from_pretrained(

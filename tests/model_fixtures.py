@@ -22,7 +22,7 @@ class TinySetup:
 
 @pytest.fixture(scope="session")
 def tiny_setups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinySetup]:
-    setups = {}
+    setups: dict[str, TinySetup] = {}
     for arch in ARCHS:
         root = tmp_path_factory.mktemp(f"tiny-{arch}")
         model_dir = build_model(root / "model", arch=arch, preset="tiny")

@@ -211,7 +211,9 @@ def test_a_status_chosen_outside_app_errors_is_caught(tmp_path: Path) -> None:
         tmp_path,
         {
             "app/errors.py": "class APIError(Exception): ...\nOOPS = APIError(500)\n",
-            "app/routes/usage.py": "from app.errors import APIError\ndef f():\n    raise APIError(400, 'no')\n",
+            "app/routes/usage.py": (
+                "from app.errors import APIError\ndef f():\n    raise APIError(400, 'no')\n"
+            ),
         },
     )
     assert status_choices(root) == ["app.routes.usage:3 builds an APIError: name the error in app/errors.py"]

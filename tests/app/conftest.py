@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from click.testing import Result
+from fastapi import FastAPI
+from typer.testing import Result
 
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
@@ -40,7 +41,7 @@ def free_port() -> int:
 class LiveServer:
     """uvicorn in a thread; stopped cleanly."""
 
-    def __init__(self, app: object) -> None:
+    def __init__(self, app: FastAPI) -> None:
         self.port = free_port()
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -92,7 +93,7 @@ def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     settings = Settings(
         data_dir=data_dir,
         database_url=url,
-        admin_key=ADMIN_KEY,  # type: ignore[arg-type]
+        admin_key=ADMIN_KEY,
         auth_cache_ttl_s=0.2,
         adapter_cache_ttl_s=0.2,
         adapter_store=llama.store_root,

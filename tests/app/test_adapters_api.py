@@ -10,13 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from adapters.ref import AdapterRef
 from app.schemas.openai import ChatMessage
 from tests.app.conftest import MODEL, Served
 from tests.engine.reference import PeftReference
 
-PROMPT = [{"role": "user", "content": "write something"}]
+PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "write something"}]
 
 
 def upload_files(served: Served, name: str, owner: str, source: Path) -> httpx.Response:
@@ -60,9 +61,13 @@ def greedy(client: OpenAI, model: str, max_tokens: int = 12) -> str:
 def reference_text(
     served: Served, reference: PeftReference, adapter: str | None, max_tokens: int = 12
 ) -> str:
-    prompts = served.services.catalog.get(MODEL).prompts
+    entry = served.services.catalog.get(MODEL)
+    assert entry is not None
+    prompts = entry.prompts
     ids = reference.greedy(prompts.chat([ChatMessage(**m) for m in PROMPT]), adapter, max_tokens)
-    return prompts.tokenizer.decode(ids, skip_special_tokens=True)
+    decoded = prompts.tokenizer.decode(ids, skip_special_tokens=True)
+    assert isinstance(decoded, str)  # one sequence of ids decodes to one string
+    return decoded
 
 
 def wait_until(condition, timeout: float = 5.0) -> None:
@@ -134,7 +139,9 @@ def test_private_adapters_are_invisible_to_other_tenants(served: Served) -> None
         greedy(other, "secret")
     with pytest.raises(NotFoundError) as nothing:
         greedy(other, "no-such-adapter-xyz")
-    assert theirs.value.body == {**nothing.value.body, "message": nothing.value.body["message"].replace(
+    not_found = nothing.value.body
+    assert isinstance(not_found, dict)
+    assert theirs.value.body == {**not_found, "message": not_found["message"].replace(
         "no-such-adapter-xyz", "secret")}  # fmt: skip
     assert "secret" not in [m.id for m in other.models.list().data]
     owner = OpenAI(base_url=f"{served.url}/v1", api_key=owner_key, max_retries=0)

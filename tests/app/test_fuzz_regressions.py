@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.schemas.openai import MIN_REPETITION_PENALTY
+from deployments.engine.interface import MIN_REPETITION_PENALTY
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
 
 ERROR_KEYS = {"message", "type", "param", "code"}

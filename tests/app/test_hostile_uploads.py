@@ -278,7 +278,7 @@ def peft_adapter(model: Any, out: Path, *, r: int) -> Path:
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         init_lora_weights=False,  # random B: every tensor non-zero, as after training
     )
-    get_peft_model(model, config).save_pretrained(out)
+    get_peft_model(model, config).save_pretrained(str(out))
     return out
 
 
@@ -691,7 +691,9 @@ def test_several_problems_are_all_listed_in_one_refusal(
 def test_several_archive_problems_are_all_listed_in_one_refusal(
     served: Served, owner: str, demo_files: list[tuple[str, bytes]]
 ) -> None:
-    members = [tar_member(name, data) for name, data in demo_files]
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = [
+        tar_member(name, data) for name, data in demo_files
+    ]
     members += [
         tar_member("../escape", b"x"),
         tar_special("link", tarfile.SYMTYPE, "/etc/passwd"),

@@ -2,10 +2,13 @@
 
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from openai import OpenAI
+from openai.types import Completion
+from openai.types.chat import ChatCompletionMessageParam
 
 from app.schemas.openai import ChatMessage
 from deployments.engine.config import EngineConfig
@@ -15,7 +18,7 @@ from deployments.engine.sampling_params import SamplingParams
 from tests.app.conftest import MODEL, Served
 from tests.engine.helpers import drain, text
 
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name three colours."},
 ]
@@ -27,7 +30,7 @@ def client(served: Served, tenant: tuple[str, str]) -> OpenAI:
 
 
 @pytest.fixture(scope="module")
-def reference(served: Served) -> LLMEngine:
+def reference(served: Served) -> Iterator[LLMEngine]:
     """A separate engine over the same model: what the platform must reproduce."""
     setup = served.setup
     engine = LLMEngine(EngineConfig(model=setup.model_dir, adapter_store=setup.store_root, num_kv_blocks=128))
@@ -40,30 +43,50 @@ def engine_text(reference: LLMEngine, prompt_ids: list[int], params: SamplingPar
     return text(next(iter(drain(reference).values())))
 
 
+def cached_tokens(completion: Completion) -> int:
+    """usage.prompt_tokens_details.cached_tokens, which must be reported."""
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    cached = completion.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    return cached
+
+
 def test_chat_text_equals_engine_output_for_the_same_seed(served: Served, client: OpenAI, reference) -> None:
     reply = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.8, top_p=0.95, seed=7
     )
-    prompt_ids = served.services.catalog.get(MODEL).prompts.chat([ChatMessage(**m) for m in MESSAGES])
+    entry = served.services.catalog.get(MODEL)
+    assert entry is not None
+    prompt_ids = entry.prompts.chat([ChatMessage(**m) for m in MESSAGES])
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7)
     assert reply.choices[0].message.content == engine_text(reference, prompt_ids, params)
     assert reply.model == MODEL
+    assert reply.usage is not None
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_streamed_chat_equals_the_non_streamed_one_and_ends_with_usage(client: OpenAI) -> None:
-    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
-    whole = client.chat.completions.create(**kwargs)
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
     chunks = list(
-        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == whole.choices[0].message.content
     assert all(c.usage is None for c in chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    last_usage = chunks[-1].usage
+    assert whole.usage is not None
+    assert chunks[-1].choices == [] and last_usage is not None
+    assert last_usage.completion_tokens == whole.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
@@ -77,7 +100,9 @@ def test_completions_stream_and_not(served: Served, client: OpenAI, reference) -
         if c.choices
     )
     assert streamed == whole.choices[0].text
-    ids = served.services.catalog.get(MODEL).prompts.completion("The sea is")
+    entry = served.services.catalog.get(MODEL)
+    assert entry is not None
+    ids = entry.prompts.completion("The sea is")
     assert whole.choices[0].text == engine_text(reference, ids, SamplingParams(max_tokens=12, temperature=0))
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == whole.choices[0].text
@@ -95,13 +120,14 @@ def test_cached_tokens_are_reported_and_never_shared_across_tenants(served: Serv
     long_prompt = " ".join(f"word{i}" for i in range(60))
     first = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
     again = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert again.usage.prompt_tokens_details.cached_tokens > 0
-    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    assert cached_tokens(first) == 0
+    assert cached_tokens(again) > 0
+    assert again.usage is not None
+    assert cached_tokens(again) < again.usage.prompt_tokens
     _, other_key = served.new_tenant("other-tenant-cache")
     other = OpenAI(base_url=f"{served.url}/v1", api_key=other_key, max_retries=0)
     theirs = other.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
-    assert theirs.usage.prompt_tokens_details.cached_tokens == 0  # no cross-tenant prefix reuse
+    assert cached_tokens(theirs) == 0  # no cross-tenant prefix reuse
 
 
 def test_client_disconnect_mid_stream_aborts_the_generation(served: Served, tenant: tuple[str, str]) -> None:

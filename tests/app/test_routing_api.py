@@ -4,6 +4,7 @@ and aggregated (hit rate, loads, duplicate loads across replicas)."""
 import json
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from typer.testing import Result
 
@@ -14,11 +15,12 @@ from tests.app.test_adapters_api import upload_files
 from tests.app.test_metering import wait_for
 
 
-def routing(served: Served) -> dict[str, object]:
+def routing(served: Served) -> dict[str, Any]:
+    """The routing report of MODEL (JSON, as the API returns it)."""
     with served.admin() as admin:
         response = admin.get("/admin/routing", params={"model": MODEL})
     assert response.status_code == 200, response.text
-    data: list[dict[str, object]] = response.json()["data"]
+    data: list[dict[str, Any]] = response.json()["data"]
     return data[0] if data else {}
 
 
@@ -36,7 +38,7 @@ def test_the_engines_counters_reach_the_routing_report(served: Served, cli: Call
         session_factory=served.services.session_factory,
     )
     reporter.report_once()
-    before = next(r for r in routing(served)["replicas"] if r["replica"] == f"{MODEL}:here")  # type: ignore[union-attr]
+    before = next(r for r in routing(served)["replicas"] if r["replica"] == f"{MODEL}:here")
 
     with served.admin() as http:  # tenants' requests go through the same app
         for _ in range(3):
@@ -47,7 +49,7 @@ def test_the_engines_counters_reach_the_routing_report(served: Served, cli: Call
             )
             assert answer.status_code == 200, answer.text
     reporter.report_once()
-    after = next(r for r in routing(served)["replicas"] if r["replica"] == f"{MODEL}:here")  # type: ignore[union-attr]
+    after = next(r for r in routing(served)["replicas"] if r["replica"] == f"{MODEL}:here")
 
     assert after["adapter_requests"] - before["adapter_requests"] == 3
     # The upload prefetched the adapter into the CPU tier, so every request found it here: 3 hits, 1 load.

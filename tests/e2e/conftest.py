@@ -106,7 +106,7 @@ def serve_app(
     try:
         yield app
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]  # unannotated in Ray
         ray.shutdown()
         for key, value in saved.items():
             if value is None:

@@ -10,13 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from app.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
 from tests.e2e.conftest import ServeApp
 from tests.engine.reference import PeftReference
 
-PROMPT = [{"role": "user", "content": "tell me a story"}]
+PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a story"}]
 
 
 def upload(app: ServeApp, name: str, owner: str, source: Path, base_model: str) -> httpx.Response:
@@ -45,7 +46,9 @@ def expected(app: ServeApp, arch: str, adapter: str, max_tokens: int = 10) -> st
     ids = PeftReference(setup.model_dir, {adapter: setup.adapter_dirs[adapter]}).greedy(
         prompts.chat([ChatMessage(**m) for m in PROMPT]), adapter, max_tokens
     )
-    return prompts.tokenizer.decode(ids, skip_special_tokens=True)
+    decoded = prompts.tokenizer.decode(ids, skip_special_tokens=True)
+    assert isinstance(decoded, str)  # one sequence of ids decodes to one string
+    return decoded
 
 
 def eventually(check, timeout: float = 20.0) -> None:

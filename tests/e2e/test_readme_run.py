@@ -44,18 +44,20 @@ def test_loraplex_up_serves_with_the_printed_key(tmp_path: Path) -> None:
         else:
             pytest.fail("the platform did not come up:\n" + (tmp_path / "up.log").read_text()[-3000:])
         output = (tmp_path / "up.log").read_text()
-        key = re.search(r"LORAPLEX_DEMO_KEY=(\S+)", output).group(1)
+        found = re.search(r"LORAPLEX_DEMO_KEY=(\S+)", output)
+        assert found is not None, output[-3000:]
+        key = found.group(1)
         client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
         assert "demo-llama" in [m.id for m in client.models.list().data]
         reply = client.chat.completions.create(
             model="demo-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=8
         )
-        assert reply.usage.completion_tokens >= 1
+        assert reply.usage is not None and reply.usage.completion_tokens >= 1
         assert "public/demo-sql" in [m.id for m in client.models.list().data]  # the demo adapters serve too
         adapted = client.chat.completions.create(
             model="public/demo-sql", messages=[{"role": "user", "content": "hi"}], max_tokens=8
         )
-        assert adapted.usage.completion_tokens >= 1
+        assert adapted.usage is not None and adapted.usage.completion_tokens >= 1
         assert (tmp_path / "var" / "loraplex.db").exists()  # the embedded defaults, in the new directory
         assert (tmp_path / "var" / "models" / "demo-llama" / "config.json").exists()
         bad = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer sk-lp-nope"})

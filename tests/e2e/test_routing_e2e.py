@@ -37,6 +37,7 @@ def deploy(app: ServeApp, router: str) -> None:
 
 def wait_for_replicas(app: ServeApp, n: int, timeout: float = 60) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
+    fresh: list[dict[str, Any]]
     while len(fresh := routing(app, within_s=1.5)["replicas"]) != n:
         assert time.monotonic() < deadline, fresh
         time.sleep(0.25)

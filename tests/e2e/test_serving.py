@@ -6,6 +6,7 @@ import time
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from app.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
@@ -16,7 +17,7 @@ from deployments.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import ServeApp
 from tests.engine.helpers import drain, text
 
-MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_chat_over_http_equals_the_engine(serve_app: ServeApp, client: OpenAI, m
     prompt = PromptBuilder(setup.model_dir).chat([ChatMessage(**m) for m in MESSAGES])
     engine.add_request(EngineRequest("ref", prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=3)))
     assert reply.choices[0].message.content == text(drain(engine)["ref"])
-    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
     engine.close()
 
 
@@ -66,7 +67,9 @@ def test_streaming_chat_and_completion_with_usage(client: OpenAI) -> None:
         "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         == whole.choices[0].message.content
     )
-    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    last_usage = chunks[-1].usage
+    assert last_usage is not None and whole.usage is not None
+    assert last_usage.total_tokens == whole.usage.total_tokens
     streamed = client.completions.create(
         model="tiny-qwen2", prompt="Once", max_tokens=8, temperature=0, stream=True
     )
@@ -76,7 +79,9 @@ def test_streaming_chat_and_completion_with_usage(client: OpenAI) -> None:
 def test_unknown_model_is_a_404_in_openai_shape(client: OpenAI) -> None:
     with pytest.raises(NotFoundError) as error:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
-    assert error.value.body["code"] == "model_not_found"
+    body = error.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "model_not_found"
 
 
 def test_raw_http_errors_carry_request_ids(serve_app: ServeApp, key: str) -> None:

@@ -1,7 +1,8 @@
 """HF PEFT as the reference: greedy generation with one adapter at a time (or the plain model)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 from peft import PeftModel
@@ -37,12 +38,14 @@ class PeftReference:
             "do_sample": False,
             "attention_mask": torch.ones_like(ids),
         }
+        # PEFT's generate is unannotated; without return_dict_in_generate it returns the token ids.
+        generate = cast(Callable[..., torch.Tensor], self.model.generate)
         if adapter is None:
             with self.model.disable_adapter():
-                out = self.model.generate(input_ids=ids, **kwargs)
+                out = generate(input_ids=ids, **kwargs)
         else:
             self.model.set_adapter(adapter)
-            out = self.model.generate(input_ids=ids, **kwargs)
+            out = generate(input_ids=ids, **kwargs)
         return [int(t) for t in out[0, ids.shape[1] :]]
 
     @torch.inference_mode()
@@ -50,9 +53,9 @@ class PeftReference:
         ids = torch.tensor([list(prompt)])
         if adapter is None:
             with self.model.disable_adapter():
-                return self.model(input_ids=ids).logits[0, -1].float()
+                return self._logits(ids)[0, -1].float()
         self.model.set_adapter(adapter)
-        return self.model(input_ids=ids).logits[0, -1].float()
+        return self._logits(ids)[0, -1].float()
 
     @torch.inference_mode()
     def all_logits(self, ids: Sequence[int], adapter: str | None) -> torch.Tensor:
@@ -60,6 +63,11 @@ class PeftReference:
         batch = torch.tensor([list(ids)])
         if adapter is None:
             with self.model.disable_adapter():
-                return self.model(input_ids=batch).logits[0].float()
+                return self._logits(batch)[0].float()
         self.model.set_adapter(adapter)
-        return self.model(input_ids=batch).logits[0].float()
+        return self._logits(batch)[0].float()
+
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """[1, len, V] logits of the active adapter (or the plain model) for a [1, len] batch."""
+        logits: torch.Tensor = self.model(input_ids=ids).logits
+        return logits

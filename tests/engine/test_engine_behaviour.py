@@ -7,6 +7,7 @@ import pytest
 from adapters.errors import AdapterNotFound
 from adapters.store import AdapterStore
 from deployments.engine.interface import EngineRequest, FinishReason
+from deployments.engine.outputs import RequestOutput
 from deployments.engine.sampling_params import SamplingParams
 from tests.engine.helpers import copy_adapter, drain, make_engine, preload, text, tokens
 from tests.engine.reference import PeftReference
@@ -180,7 +181,7 @@ def test_new_version_serves_new_requests_while_old_ones_finish_on_theirs(llama: 
     engine = make_engine(llama)
     long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine.add_request(EngineRequest("old", [5, 6, 7, 8], long, ref_v1))
-    collected: dict[str, list] = {"old": [], "new": []}
+    collected: dict[str, list[RequestOutput]] = {"old": [], "new": []}
     for _ in range(5):
         for out in engine.step():
             collected[out.request_id].append(out)
@@ -203,7 +204,9 @@ def test_removed_adapter_lets_running_requests_finish_and_refuses_new_ones(
     store = AdapterStore(llama.store_root)
     ref = store.put_dir("doomed", llama.adapter_dirs["demo-legal"])
     engine = make_engine(llama)
-    engine.adapters.prefetch(ref).result()
+    pending = engine.adapters.prefetch(ref)
+    assert pending is not None  # a new adapter is not resident yet
+    pending.result()
     engine.add_request(
         EngineRequest(
             "running", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), ref

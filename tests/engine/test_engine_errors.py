@@ -106,7 +106,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone(llama: TinySetup, monkeypatch:
     engine = make_engine(llama)
     sample = engine.sampler.sample
 
-    def fragile(logits, rows):  # type: ignore[no-untyped-def]
+    def fragile(logits, rows):
         if any(row.params.seed == 666 for row in rows):  # stands for parameters that overflow the sampler
             raise IndexError("index out of range")
         return sample(logits, rows)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
 from adapters.ref import AdapterRef
 from app.modelprep.awq_export import export_awq, load_dequantized_state_dict
@@ -48,14 +48,16 @@ def quant(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> QuantSe
     return QuantSetup(llama, awq_dir)
 
 
-def bnb_base(model_dir: Path, mode: str) -> AutoModelForCausalLM:
+def bnb_base(model_dir: Path, mode: str) -> PreTrainedModel:
     settings = (
         {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.float32}
         if mode == "nf4"
         else {"load_in_8bit": True}
     )
+    # transformers leaves BitsAndBytesConfig.__init__ unannotated
+    quantization_config = BitsAndBytesConfig(**settings)  # type: ignore[no-untyped-call]
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, quantization_config=BitsAndBytesConfig(**settings), device_map="cpu"
+        model_dir, dtype=torch.float32, quantization_config=quantization_config, device_map="cpu"
     )
 
 
@@ -79,6 +81,7 @@ def make_engine_for(quant: QuantSetup, model_dir: Path, **config):
 @pytest.mark.parametrize("mode", ["nf4", "int8", "awq"])
 def test_quantized_greedy_equals_peft_on_the_same_quantized_model(quant: QuantSetup, mode: str) -> None:
     tiny = quant.tiny
+    base: PreTrainedModel
     if mode == "awq":
         ours = engine_outputs(quant, quant.awq_dir, quantization="awq")
         base = AutoModelForCausalLM.from_pretrained(quant.awq_dir, dtype=torch.float32, device_map="cpu")
@@ -104,7 +107,9 @@ def test_bf16_greedy_within_tolerance_of_bf16_peft(quant: QuantSetup) -> None:
 
 def test_awq_is_close_to_the_fp32_model_with_the_same_dequantized_weights(quant: QuantSetup) -> None:
     tiny = quant.tiny
-    dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_dir), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(tiny.model_dir)
+    # transformers leaves _BaseAutoModelClass.from_config unannotated
+    dense: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     result = dense.load_state_dict(load_dequantized_state_dict(quant.awq_dir), strict=False)
     assert not result.unexpected_keys
     assert all("rotary" in k for k in result.missing_keys)

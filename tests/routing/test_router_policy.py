@@ -100,7 +100,7 @@ def test_an_overloaded_holder_spills_to_its_next_home_or_the_least_loaded_with_a
     # the least loaded replica with a free slot.
     assert [r.name for r in ranks[0]] == [rendezvous_order("x", others)[0]]  # type: ignore[attr-defined]
     assert [r.name for r in ranks[1]] == [others[1]]  # type: ignore[attr-defined]
-    assert make_router(spill_factor=2.0)._rank(list(replicas.values()), request("x"))[0][0].name == home  # type: ignore[attr-defined]
+    assert first(make_router(spill_factor=2.0), list(replicas.values()), request("x")) == home
 
 
 def test_base_requests_go_to_the_least_loaded_and_follow_ups_stick() -> None:
