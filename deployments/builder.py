@@ -136,6 +136,10 @@ def build_app(args: dict[str, Any]) -> Application:
         name="ingress",
         num_replicas=parsed.ingress_replicas,
         max_ongoing_requests=parsed.ingress_max_ongoing_requests,
+        # An ingress replica being replaced (any change to `args` rolls every replica) holds its clients'
+        # streams: it drains as long as the engines do, rather than Serve's 20 s, which would cut them.
+        graceful_shutdown_timeout_s=max(m.drain_timeout_s for m in parsed.models),
+        graceful_shutdown_wait_loop_s=1.0,
         ray_actor_options={"num_cpus": 0},
     )(Ingress)
     app: Application = ingress.bind(handles, models, parsed.rate_limiter.model_dump(), metering)

@@ -37,6 +37,8 @@ ADAPTER_DISK_LOADS = Counter(
     "Adapter reads from the store, per adapter version.",
     (*TAGS, "adapter"),
 )
+ABORTS = Counter("loraplex_engine_aborts", "Requests aborted (their caller left) before finishing.", TAGS)
+GENERATED_TOKENS = Counter("loraplex_engine_generated_tokens", "Output tokens sampled.", TAGS)
 PREEMPTIONS = Counter("loraplex_engine_preemptions", "Sequences preempted for KV cache space.", TAGS)
 BUSY_SECONDS = Counter("loraplex_engine_busy_seconds", "Device time spent in engine steps.", TAGS)
 
@@ -75,6 +77,8 @@ class EngineMetrics:
         ADAPTER_REQUESTS.inc(tags, stats.adapter_requests - (last.adapter_requests if last else 0))
         ADAPTER_HITS.inc(tags, stats.adapter_arrival_hits - (last.adapter_arrival_hits if last else 0))
         PREEMPTIONS.inc(tags, stats.preemptions - (last.preemptions if last else 0))
+        ABORTS.inc(tags, stats.aborts - (last.aborts if last else 0))
+        GENERATED_TOKENS.inc(tags, stats.generated_tokens - (last.generated_tokens if last else 0))
         BUSY_SECONDS.inc(tags, stats.busy_seconds - (last.busy_seconds if last else 0.0))
         before = last.adapter_disk_loads if last else {}
         for ref, reads in stats.adapter_disk_loads.items():

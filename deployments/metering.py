@@ -29,6 +29,8 @@ class Metering:
         settings = Settings()
         self.sessions = make_session_factory(make_engine(settings.resolved_database_url()))
         self.sink = DatabaseSink(self.sessions)
+        self.batches = 0
+        self.failed_batches = 0
         self.interval = rollup_interval_s
         self.lookback = timedelta(hours=rollup_lookback_h)
         self._stop = threading.Event()
@@ -37,7 +39,17 @@ class Metering:
 
     async def record(self, records: list[UsageRecord]) -> int:
         """Store a batch; ids already stored are ignored. Raises if the database is unavailable."""
-        return await self.sink.record(records)
+        try:
+            stored = await self.sink.record(records)
+        except Exception:
+            self.failed_batches += 1
+            raise
+        self.batches += 1
+        return stored
+
+    def stats(self) -> dict[str, int]:
+        """Batches stored and batches refused (the database was away) since this replica started."""
+        return {"batches": self.batches, "failed_batches": self.failed_batches}
 
     def run_periodic_once(self) -> None:
         """Recompute the rollups of recent closed hours; export them to Stripe if it is configured."""
@@ -61,10 +73,13 @@ class Metering:
             except Exception:  # the database or Stripe may be away for a while: try again next time
                 log.exception("periodic rollup/export failed")
 
+    def stop(self) -> None:
+        """End the periodic job (Serve drops the replica; tests)."""
+        self._stop.set()
+
     def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
+        if hasattr(self, "_stop"):
+            self.stop()
 
 
 class ServeMeteringSink:

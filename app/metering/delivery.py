@@ -14,12 +14,15 @@ from typing import Protocol
 from starlette.concurrency import run_in_threadpool
 
 from app.metering.outbox import Outbox
-from app.metrics import Gauge
+from app.metrics import Counter, Gauge
 from billing.usage import UsageRecord
 
 log = logging.getLogger(__name__)
 # The node's outbox, shared by its ingress replicas: each replica reports the same number for its node.
 BACKLOG = Gauge("loraplex_metering_backlog", "Usage records in the outbox, not yet in the database.", ())
+FAILURES = Counter(
+    "loraplex_metering_delivery_failures", "Delivery rounds that failed (metering or its database away).", ()
+)
 
 
 class MeteringSink(Protocol):
@@ -30,11 +33,19 @@ class MeteringSink(Protocol):
 
 class UsageDelivery:
     def __init__(
-        self, outbox: Outbox, sink: MeteringSink, *, batch: int = 500, max_backoff_s: float = 30.0
+        self,
+        outbox: Outbox,
+        sink: MeteringSink,
+        *,
+        batch: int = 500,
+        max_backoff_s: float = 30.0,
+        claim_lease_s: float = 60.0,
     ) -> None:
         self.outbox = outbox
         self.sink = sink
         self.batch = batch
+        # A claim outlives any delivery attempt; if this replica dies holding it, others take over after.
+        self.claim_lease_s = claim_lease_s
         self.max_backoff_s = max_backoff_s
         self.owner = f"ingress-{uuid.uuid4().hex[:12]}"
         self._wake = asyncio.Event()
@@ -57,7 +68,7 @@ class UsageDelivery:
 
     async def deliver_once(self) -> int:
         """One batch; returns how many records left the outbox. Raises if metering failed."""
-        claimed = await run_in_threadpool(self.outbox.claim, self.owner, self.batch)
+        claimed = await run_in_threadpool(self.outbox.claim, self.owner, self.batch, self.claim_lease_s)
         if not claimed:
             return 0
         ids = [i for i, _ in claimed]
@@ -88,6 +99,7 @@ class UsageDelivery:
                 raise
             except Exception as error:
                 self.failures += 1
+                FAILURES.inc({})
                 log.warning("usage delivery failed, retrying in %.1fs: %s", backoff, error)
                 timeout, backoff = backoff, min(backoff * 2, self.max_backoff_s)
             await self.publish_backlog()

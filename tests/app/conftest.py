@@ -3,6 +3,7 @@
 No Ray here: these tests pin down the HTTP behaviour; tests/e2e runs the same app on Ray Serve.
 """
 
+import contextlib
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 from typer.testing import Result
 
 from app.bootstrap import build_services
@@ -41,12 +42,13 @@ def free_port() -> int:
 class LiveServer:
     """uvicorn in a thread; stopped cleanly."""
 
-    def __init__(self, app: FastAPI) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+    def __init__(self, app: ASGIApp) -> None:
+        # Bound here and handed to uvicorn: no window in which another process could take the port.
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = int(self.socket.getsockname()[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     @property
     def url(self) -> str:
@@ -64,6 +66,7 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.socket.close()
 
 
 @dataclass
@@ -85,9 +88,11 @@ class Served:
         return tenant["id"], key["key"]
 
 
-@pytest.fixture(scope="module")
-def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    data_dir = tmp_path_factory.mktemp("app")
+@contextlib.contextmanager
+def serving(
+    llama: TinySetup, data_dir: Path, wrap: Callable[[ASGIApp], ASGIApp] | None = None
+) -> Iterator[Served]:
+    """The app over a fresh in-process engine and SQLite database; `wrap` puts ASGI middleware around it."""
     url = f"sqlite:///{data_dir / 'loraplex.db'}"
     upgrade(url)
     settings = Settings(
@@ -113,10 +118,19 @@ def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     services = build_services(settings, LocalEngineClient({MODEL: engine}), specs)
     watcher = RegistryWatcher(engine, MODEL, services.session_factory, interval_s=0.2)  # as on a replica
     watcher.start()
-    with LiveServer(create_app(services)) as server:
-        yield Served(server.url, engine, services, llama, data_dir)
-    watcher.stop()
-    engine.shutdown()
+    app: ASGIApp = create_app(services)
+    try:
+        with LiveServer(app if wrap is None else wrap(app)) as server:
+            yield Served(server.url, engine, services, llama, data_dir)
+    finally:
+        watcher.stop()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serving(llama, tmp_path_factory.mktemp("app")) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")

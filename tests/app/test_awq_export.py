@@ -29,6 +29,7 @@ from app.modelprep.awq_export import (
     quantize_rtn,
     unpack_gemm,
 )
+from tests.ci import missing
 
 GROUP = 64
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -290,7 +291,7 @@ def load_bnb(model_dir: Path, kind: str, dtype: torch.dtype) -> Any:
         )
         return model.eval()
     except (ImportError, RuntimeError, NotImplementedError) as exc:
-        pytest.skip(f"bitsandbytes cannot load {kind} on CPU here: {exc}")
+        missing(f"bitsandbytes cannot load {kind} on CPU here: {exc}")
 
 
 @pytest.mark.filterwarnings("ignore:MatMul8bitLt")

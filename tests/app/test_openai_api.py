@@ -16,6 +16,7 @@ from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from tests.app.conftest import MODEL, Served
+from tests.app.test_metering import usage_rows, wait_for
 from tests.engine.helpers import drain, text
 
 MESSAGES: list[ChatCompletionMessageParam] = [
@@ -130,27 +131,42 @@ def test_cached_tokens_are_reported_and_never_shared_across_tenants(served: Serv
     assert cached_tokens(theirs) == 0  # no cross-tenant prefix reuse
 
 
-def test_client_disconnect_mid_stream_aborts_the_generation(served: Served, tenant: tuple[str, str]) -> None:
-    body = {"model": MODEL, "prompt": "go", "max_tokens": 900, "temperature": 0, "stream": True}
-    headers = {"authorization": f"Bearer {tenant[1]}"}
+def test_client_disconnect_mid_stream_aborts_the_generation(served: Served) -> None:
+    """The engine aborts the request (it does not finish it unseen), frees it within a bound, and the
+    usage row bills what was generated before the client left."""
+    tenant_id, key = served.new_tenant(f"gone-{time.monotonic_ns()}", tier="enterprise")
+    max_tokens = 1000
+    body = {"model": MODEL, "prompt": "go", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    before = served.engine.stats()
     with httpx.stream(
-        "POST", f"{served.url}/v1/completions", json=body, headers=headers, timeout=30
+        "POST",
+        f"{served.url}/v1/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=30,
     ) as response:
         assert response.status_code == 200
         assert response.headers["x-request-id"]
         events = 0
         for line in response.iter_lines():
             if line.startswith("data: "):
-                json.loads(line[6:])
+                chunk = json.loads(line[6:])
+                request_id = chunk["id"]
+                assert chunk["choices"][0]["finish_reason"] is None  # still generating
                 events += 1
             if events == 3:
                 break  # leave: the connection closes with the generation still going
-    deadline = time.monotonic() + 10
-    while served.engine.stats().running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stats = served.engine.stats()
-    assert stats.running == 0 and stats.waiting == 0
-    assert stats.kv_usage == 0.0
+    left = time.monotonic()
+    while (stats := served.engine.stats()).running or stats.waiting or stats.kv_usage:
+        assert time.monotonic() - left < 5.0, f"the engine still holds the request: {stats}"
+        time.sleep(0.01)
+    assert stats.aborts == before.aborts + 1  # aborted, not finished first
+    generated = stats.generated_tokens - before.generated_tokens
+    assert 3 <= generated < max_tokens // 4
+    wait_for(lambda: len(usage_rows(served, tenant_id)) == 1)
+    (row,) = usage_rows(served, tenant_id)
+    assert row.request_id == request_id and row.status == "aborted"
+    assert 3 <= row.completion_tokens <= generated
 
 
 def test_models_lists_the_base_model(client: OpenAI) -> None:

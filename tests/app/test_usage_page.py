@@ -23,6 +23,7 @@ import pytest
 
 from tests.app.conftest import MODEL, Served
 from tests.billing.test_usage_queries import make_event
+from tests.ci import missing
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -36,18 +37,16 @@ PROMPT_RGB, COMPLETION_RGB, GPU_RGB = (0x4F, 0x6D, 0xF5), (0xF5, 0x9F, 0x3A), (0
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator["Browser"]:
-    missing = None
+    absent = None
     if not Path(CHROMIUM).exists():
-        missing = f"Chromium not found at {CHROMIUM} (Debian: apt-get install chromium)"
+        absent = f"Chromium not found at {CHROMIUM} (Debian: apt-get install chromium)"
     else:
         try:
             from playwright.sync_api import sync_playwright
         except ImportError:
-            missing = "Playwright is not installed (pip install playwright; no `playwright install` needed)"
-    if missing is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{missing}: the browser tests are mandatory when CI=true")
-        pytest.skip(f"{missing} (set CI=true to make this a failure)")
+            absent = "Playwright is not installed (pip install playwright; no `playwright install` needed)"
+    if absent is not None:
+        missing(f"{absent}: the browser tests need it")
     with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
         yield launched

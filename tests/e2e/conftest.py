@@ -1,23 +1,40 @@
 """A real Ray Serve application in this test session: local Ray, Serve HTTP proxy on a loopback port,
-the builder from serve_config.yaml's import path, two base models (tiny Llama and tiny Qwen2)."""
+the builder from serve_config.yaml's import path, two base models (tiny Llama and tiny Qwen2).
 
+Its billing database is PostgreSQL under CI (a fresh database on the test server), as in production;
+elsewhere SQLite unless LORAPLEX_TEST_E2E_DATABASE=postgres. The in-process HTTP tests (tests/app) and
+`loraplex up` (tests/e2e/test_readme_run.py) keep SQLite covered end to end."""
+
+import contextlib
+import json
 import os
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 import ray
+from psycopg import sql
 from ray import serve
+from sqlalchemy import make_url
+from sqlalchemy.orm import Session, sessionmaker
 
+from bench.load_faults import postgres_outage, sqlite_outage
+from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from deployments.builder import build_app
 from tests.app.conftest import ADMIN_KEY, free_port
+from tests.ci import is_ci
+from tests.conftest import POSTGRES_ADMIN_URL
 from tests.model_fixtures import TinySetup
 
 APP_NAME = "loraplex"
+T = TypeVar("T")
 
 
 def engine_settings(setup: TinySetup, **overrides: Any) -> dict[str, Any]:
@@ -38,7 +55,19 @@ class ServeApp:
     url: str
     data_dir: Path
     setups: dict[str, TinySetup]
+    database_url: str
     metrics_url: str = ""  # the node's Prometheus export (Ray's metrics agent)
+    postgres_database: str | None = None  # the database's name when it is PostgreSQL
+
+    def sessions(self) -> "sessionmaker[Session]":
+        return make_session_factory(make_engine(self.database_url))
+
+    def database_outage(self) -> contextlib.AbstractContextManager[None]:
+        """While held, the billing database cannot be written: SQLite is locked, PostgreSQL refuses
+        connections and has every open one terminated."""
+        if self.postgres_database is not None:
+            return postgres_outage(POSTGRES_ADMIN_URL, self.postgres_database)
+        return sqlite_outage(self.data_dir / "loraplex.db")
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
@@ -59,9 +88,35 @@ class ServeApp:
         serve_status_wait()
 
 
-def serve_status_wait(timeout: float = 120) -> None:
-    import time
+def in_background(delay_s: float, fault: Callable[[], T]) -> "Future[T]":
+    """Run `fault` in another thread after `delay_s`; `.result()` returns its value or raises its error, so
+    a fault that failed to happen fails the test instead of becoming a warning."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fault")
 
+    def later() -> T:
+        time.sleep(delay_s)
+        return fault()
+
+    future = pool.submit(later)
+    pool.shutdown(wait=False)
+    return future
+
+
+async def sse_events(
+    client: httpx.AsyncClient, body: dict[str, Any], on_event: Callable[[], object] = lambda: None
+) -> list[dict[str, Any]]:
+    """POST a streaming /v1/completions and return its JSON events; `on_event` runs at each."""
+    events = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                on_event()
+    return events
+
+
+def serve_status_wait(timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = serve.status().applications.get(APP_NAME)
@@ -71,12 +126,33 @@ def serve_status_wait(timeout: float = 120) -> None:
     raise TimeoutError(f"application not running: {serve.status()}")
 
 
+def _on_postgres() -> bool:
+    return is_ci() or os.environ.get("LORAPLEX_TEST_E2E_DATABASE") == "postgres"
+
+
+@pytest.fixture(scope="session")
+def serve_database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not _on_postgres():
+        yield f"sqlite:///{tmp_path_factory.mktemp('serve-db') / 'loraplex.db'}"
+        return
+    admin = request.getfixturevalue("postgres_admin")
+    name = f"loraplex_e2e_{uuid.uuid4().hex[:12]}"
+    admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        url = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql+psycopg", database=name)
+        yield url.render_as_string(hide_password=False)
+    finally:
+        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
 @pytest.fixture(scope="session")
 def serve_app(
-    tiny_setups: dict[str, TinySetup], tmp_path_factory: pytest.TempPathFactory
+    tiny_setups: dict[str, TinySetup], serve_database: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServeApp]:
     data_dir = tmp_path_factory.mktemp("serve")
-    database_url = f"sqlite:///{data_dir / 'loraplex.db'}"
+    database_url = serve_database
+    if database_url.startswith("sqlite"):  # the data dir's own file, as `loraplex up` lays it out
+        database_url = f"sqlite:///{data_dir / 'loraplex.db'}"
     upgrade(database_url)
     env = {
         "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns token auth on for new local clusters
@@ -93,7 +169,12 @@ def serve_app(
              runtime_env={"env_vars": env}, _metrics_export_port=metrics_port)  # fmt: skip
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = ServeApp(
-        f"http://127.0.0.1:{port}", data_dir, tiny_setups, f"http://127.0.0.1:{metrics_port}/metrics"
+        f"http://127.0.0.1:{port}",
+        data_dir,
+        tiny_setups,
+        database_url,
+        f"http://127.0.0.1:{metrics_port}/metrics",
+        postgres_database=None if database_url.startswith("sqlite") else make_url(database_url).database,
     )
     app.deploy(
         {

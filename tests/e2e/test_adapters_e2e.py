@@ -18,6 +18,9 @@ from tests.e2e.conftest import ServeApp
 from tests.engine.reference import PeftReference
 
 PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a story"}]
+LONG = 400  # tokens: seconds of streaming, so an upload lands while it runs
+# Greedy on demo-sql runs the whole LONG without meeting EOS for this prompt ("tell me a story" stops at 10).
+LONG_PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a long story"}]
 
 
 def upload(app: ServeApp, name: str, owner: str, source: Path, base_model: str) -> httpx.Response:
@@ -40,11 +43,17 @@ def chat(client: OpenAI, model: str, max_tokens: int = 10) -> str:
     return reply.choices[0].message.content or ""
 
 
-def expected(app: ServeApp, arch: str, adapter: str, max_tokens: int = 10) -> str:
+def expected(
+    app: ServeApp,
+    arch: str,
+    adapter: str,
+    max_tokens: int = 10,
+    prompt: list[ChatCompletionMessageParam] = PROMPT,
+) -> str:
     setup = app.setups[arch]
     prompts = PromptBuilder(setup.model_dir)
     ids = PeftReference(setup.model_dir, {adapter: setup.adapter_dirs[adapter]}).greedy(
-        prompts.chat([ChatMessage(**m) for m in PROMPT]), adapter, max_tokens
+        prompts.chat([ChatMessage(**m) for m in prompt]), adapter, max_tokens
     )
     decoded = prompts.tokenizer.decode(ids, skip_special_tokens=True)
     assert isinstance(decoded, str)  # one sequence of ids decodes to one string
@@ -71,17 +80,30 @@ def test_upload_use_replace_delete(serve_app: ServeApp) -> None:
 
     # A long request on version 1, and version 2 uploaded while it runs.
     long_text: list[str] = []
-    started = threading.Event()
+    started, finished = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
 
     def long_request() -> None:
-        body = {"model": "story", "messages": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{serve_app.url}/v1/chat/completions", json=body, timeout=120,
-                          headers={"authorization": f"Bearer {key}"}) as response:  # fmt: skip
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    started.set()
-                    choices = json.loads(line[6:])["choices"]
-                    long_text.append(choices[0]["delta"].get("content") or "" if choices else "")
+        body = {
+            "model": "story",
+            "messages": LONG_PROMPT,
+            "max_tokens": LONG,
+            "temperature": 0,
+            "stream": True,
+        }
+        try:
+            with httpx.stream("POST", f"{serve_app.url}/v1/chat/completions", json=body, timeout=120,
+                              headers={"authorization": f"Bearer {key}"}) as response:  # fmt: skip
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+                        choices = json.loads(line[6:])["choices"]
+                        long_text.append(choices[0]["delta"].get("content") or "" if choices else "")
+                        if choices and choices[0]["finish_reason"] is not None:
+                            finished.set()
+        except BaseException as error:  # the thread's failure fails the test below
+            failures.append(error)
+            raise
 
     worker = threading.Thread(target=long_request)
     worker.start()
@@ -89,10 +111,13 @@ def test_upload_use_replace_delete(serve_app: ServeApp) -> None:
     second = upload(serve_app, "story", tenant_id, serve_app.setups["llama"].adapter_dirs["demo-pirate"],
                     "tiny-llama")  # fmt: skip
     assert second.status_code == 201 and second.json()["version"] == 2
+    assert not finished.is_set(), "the stream ended before version 2 landed: nothing was tested"
     want_v2 = expected(serve_app, "llama", "demo-pirate")
     eventually(lambda: chat(client, "story") == want_v2)
     worker.join(120)
-    assert "".join(long_text) == expected(serve_app, "llama", "demo-sql", 60)
+    assert not worker.is_alive() and not failures, failures
+    assert finished.is_set()
+    assert "".join(long_text) == expected(serve_app, "llama", "demo-sql", LONG, LONG_PROMPT)
 
     # Deleted: 404 to the tenant at once, and dropped from the engine replica.
     with serve_app.admin() as admin:

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.ci import is_ci
+
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ["engine", "metering", "db", "redis", "stripe"]
 # Typically ~4 minutes on 2 busy cores (prepare ~30 s, Ray and Serve ~90 s, load 45 s, recovery and
@@ -24,8 +26,10 @@ TIMEOUT_S = 600
 
 
 def run_load_test(log: Path) -> tuple[int, dict[str, Any], str]:
+    # Under CI the billing database is PostgreSQL, as in production (the db fault then refuses connections).
+    database = "postgres" if is_ci() else "sqlite"
     command = [sys.executable, "-m", "bench.load_test", "--duration", "45", "--users", "6",
-               "--faults", ",".join(FAULTS)]  # fmt: skip
+               "--faults", ",".join(FAULTS), "--database", database]  # fmt: skip
     with log.open("w") as stderr:
         process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
                                    stderr=stderr, text=True)  # fmt: skip

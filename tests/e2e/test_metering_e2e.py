@@ -4,8 +4,6 @@ time billed to requests adds up to the engine's measured busy time."""
 
 import asyncio
 import json
-import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,10 +15,9 @@ import ray
 from ray import serve
 from sqlalchemy import select
 
-from billing.db import make_engine, make_session_factory
 from billing.models import EngineReport, UsageEvent
 from billing.usage import UsageRecord
-from tests.e2e.conftest import APP_NAME, ServeApp, engine_settings
+from tests.e2e.conftest import APP_NAME, ServeApp, engine_settings, in_background, sse_events
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +33,7 @@ def fresh_app(serve_app: ServeApp) -> Iterator[ServeApp]:
 
 
 def sessions(app: ServeApp) -> Any:
-    return make_session_factory(make_engine(f"sqlite:///{app.data_dir / 'loraplex.db'}"))
+    return app.sessions()
 
 
 def rows_for(app: ServeApp, ids: list[str]) -> list[UsageEvent]:
@@ -85,10 +82,16 @@ def check_exactly_once(app: ServeApp, sent: list[dict[str, Any]]) -> None:
         )
 
 
-def metering_actor() -> Any:
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "metering" in a["name"]]
+def metering_actor() -> dict[str, Any]:
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#metering#" in a["name"]]
     assert len(names) == 1, names
-    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+    actor: dict[str, Any] = names[0]
+    return actor
+
+
+async def metering_stats() -> dict[str, int]:
+    stats: dict[str, int] = await serve.get_deployment_handle("metering", app_name=APP_NAME).stats.remote()
+    return stats
 
 
 @pytest.mark.slow
@@ -97,14 +100,16 @@ def test_gpu_time_billed_adds_up_to_the_engines_busy_time(fresh_app: ServeApp) -
     sent = asyncio.run(send(fresh_app.url, key, 30))
     check_exactly_once(fresh_app, sent)
     fresh_app.engine_handle("tiny-llama").report_now.remote().result()
+    # The module's own replica (fresh: it has served these requests and nothing else yet).
+    ours = {row.replica for row in rows_for(fresh_app, [s["id"] for s in sent])}
     with sessions(fresh_app)() as session:
-        reports = list(session.scalars(select(EngineReport).where(EngineReport.base_model == "tiny-llama")))
+        reports = list(session.scalars(select(EngineReport).where(EngineReport.replica.in_(ours))))
         replicas = {r.replica: r for r in reports}
         billed: dict[str, float] = {}
         for row in session.scalars(select(UsageEvent).where(UsageEvent.replica.in_(list(replicas)))):
             billed[row.replica or ""] = billed.get(row.replica or "", 0.0) + row.gpu_ms
     busy = {name: replicas[name].busy_ms for name in billed}
-    assert billed, "no request was attributed to a reporting replica"
+    assert billed and billed.keys() == ours, "no request was attributed to a reporting replica"
     for name, total in billed.items():
         assert total == pytest.approx(busy[name], rel=0.01), name  # shares of each step add up to the step
 
@@ -112,28 +117,51 @@ def test_gpu_time_billed_adds_up_to_the_engines_busy_time(fresh_app: ServeApp) -
 @pytest.mark.slow
 def test_exactly_once_through_a_killed_metering_replica(fresh_app: ServeApp) -> None:
     _, key = fresh_app.new_tenant(f"kill-{uuid.uuid4().hex[:8]}", tier="enterprise")
-    killer = threading.Timer(0.5, lambda: ray.kill(metering_actor(), no_restart=False))
-    killer.start()
+    victim = metering_actor()
+
+    def kill() -> None:
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
+
+    killed = in_background(0.5, kill)
     sent = asyncio.run(send(fresh_app.url, key, 40))
-    killer.join()
+    killed.result(timeout=60)  # the kill happened (or its error fails the test)
     check_exactly_once(fresh_app, sent)
+    assert metering_actor()["name"] != victim["name"]  # Serve replaced the killed replica
+
+
+async def streams_through_an_outage(app: ServeApp, key: str, n: int) -> tuple[list[dict[str, Any]], int]:
+    """n long streams start; once every one has output, the database goes away; they finish during the
+    outage, so their usage cannot reach the database until it is back. Returns what the client saw and
+    how many metering batches failed during the outage."""
+    async with httpx.AsyncClient(
+        base_url=app.url, timeout=120, headers={"authorization": f"Bearer {key}"}
+    ) as c:
+        started = [asyncio.Event() for _ in range(n)]
+
+        async def one(i: int) -> dict[str, Any]:
+            body = {"model": "tiny-llama", "prompt": f"story {i}", "max_tokens": 200, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            events = await sse_events(c, body, started[i].set)
+            return {"id": events[0]["id"], "usage": events[-1]["usage"]}
+
+        streams = [asyncio.create_task(one(i)) for i in range(n)]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+        failed_before = (await metering_stats())["failed_batches"]
+        with app.database_outage():
+            sent = await asyncio.gather(*streams)
+            deadline = time.monotonic() + 60
+            while (failed := (await metering_stats())["failed_batches"] - failed_before) == 0:
+                assert time.monotonic() < deadline, "no delivery failed: the outage never bit"
+                await asyncio.sleep(0.25)
+        return sent, failed
 
 
 @pytest.mark.slow
 def test_exactly_once_through_a_database_outage(fresh_app: ServeApp) -> None:
     _, key = fresh_app.new_tenant(f"db-{uuid.uuid4().hex[:8]}", tier="enterprise")
-    lock = sqlite3.connect(
-        fresh_app.data_dir / "loraplex.db", timeout=10, isolation_level=None, check_same_thread=False
-    )
-    lock.execute("BEGIN EXCLUSIVE")  # nobody else may write (or read, in rollback journal mode) for a while
-    try:
-        holder = threading.Timer(8.0, lock.execute, args=("COMMIT",))
-        holder.start()
-        sent = asyncio.run(send(fresh_app.url, key, 12))
-        holder.join()
-    finally:
-        lock.close()
-    check_exactly_once(fresh_app, sent)
+    sent, failed = asyncio.run(streams_through_an_outage(fresh_app, key, 8))
+    assert failed > 0  # a delivery was refused while the database was away
+    check_exactly_once(fresh_app, sent)  # and once it was back, every record landed once
 
 
 @pytest.mark.slow

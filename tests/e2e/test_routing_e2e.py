@@ -4,7 +4,6 @@ measured on the same workload), and a replica killed mid-burst costs no lost or 
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -167,6 +166,36 @@ async def mixed_burst(app: ServeApp, key: str, names: list[str]) -> list[dict[st
         return await asyncio.gather(*(one(i) for i in range(len(names) * 2)))
 
 
+async def burst_with_a_kill(
+    app: ServeApp, key: str, names: list[str], victim: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A long stream of names[0] (on the victim: its adapter lives there) and, once that stream has output,
+    a mixed burst over every adapter; the victim is killed while both are in flight."""
+    async with httpx.AsyncClient(
+        base_url=app.url, timeout=120, headers={"authorization": f"Bearer {key}"}
+    ) as c:
+        streaming = asyncio.Event()
+
+        async def doomed() -> dict[str, Any]:
+            body = {"model": names[0], "prompt": "a long one", "max_tokens": 600, "stream": True}
+            events = []
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        streaming.set()
+            return {"id": events[0]["id"], "status": r.status_code, "events": events, "stream": True}
+
+        long_stream = asyncio.create_task(doomed())
+        await asyncio.wait_for(streaming.wait(), 60)
+        burst = asyncio.create_task(mixed_burst(app, key, names))
+        await asyncio.sleep(0.3)  # the burst is in flight too
+        actor = ray.get_actor(victim["name"], namespace=victim["namespace"])
+        await asyncio.to_thread(ray.kill, actor)
+        assert not long_stream.done(), "the long stream ended before the kill: nothing was lost"
+        return await long_stream, await burst
+
+
 @pytest.mark.slow
 def test_a_replica_killed_mid_burst(serve_app: ServeApp, adapters: tuple[str, list[str]]) -> None:
     _, names = adapters
@@ -174,16 +203,20 @@ def test_a_replica_killed_mid_burst(serve_app: ServeApp, adapters: tuple[str, li
     deploy(serve_app, "adapter_aware")
     actors = engine_replica_actors()
     assert len(actors) == REPLICAS
-    victim = actors[0]
-    killed = f"tiny-llama:{victim['name'].rsplit('#', 1)[-1]}"
-    killer = threading.Timer(
-        1.0, lambda: ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
-    )
-    killer.start()
-    during = asyncio.run(mixed_burst(serve_app, key, names))
-    killer.join()
+    # The victim is the replica names[0] lives on: a request for it goes there (and loads it, if needed).
+    with httpx.Client(base_url=serve_app.url, headers={"authorization": f"Bearer {key}"}, timeout=60) as c:
+        warm = c.post("/v1/completions", json={"model": names[0], "prompt": "warm", "max_tokens": 2})
+    assert warm.status_code == 200, warm.text
+    killed = usage_rows(serve_app, tenant_id, [warm.json()["id"]])[warm.json()["id"]].replica
+    assert killed is not None
+    victim = next(a for a in actors if a["name"].endswith(f"#{killed.split(':', 1)[1]}"))
 
-    lost = 0
+    long_stream, during = asyncio.run(burst_with_a_kill(serve_app, key, names, victim))
+
+    # The kill took effect: the stream on the victim ended with the clear error, and Serve replaced it.
+    assert long_stream["status"] == 200 and "error" in long_stream["events"][-1], long_stream["events"][-1]
+    lost = 1
+    assert long_stream["events"][-1]["error"]["code"] == "engine_unavailable"
     for answer in during:
         if answer["stream"]:  # an error event after partial output, or the whole completion
             assert answer["status"] == 200 and answer["events"]
@@ -192,27 +225,39 @@ def test_a_replica_killed_mid_burst(serve_app: ServeApp, adapters: tuple[str, li
                 lost += 1
                 assert last["error"]["code"] == "engine_unavailable", last
                 assert "retry the request" in last["error"]["message"]
-        elif answer["status"] != 200:  # restarted twice and lost each time: a clear 503
+        elif answer["status"] != 200:  # restarted and lost each time: a clear 503
             lost += 1
             assert answer["status"] == 503 and answer["body"]["error"]["code"] == "engine_unavailable"
     assert lost < len(during)  # most requests were elsewhere or failed over
+    deadline = time.monotonic() + 60
+    while victim["name"] in {a["name"] for a in engine_replica_actors()} or len(engine_replica_actors()) < 3:
+        assert time.monotonic() < deadline, "Serve did not replace the killed replica"
+        time.sleep(0.5)
 
     after = asyncio.run(mixed_burst(serve_app, key, names))  # the router has stopped choosing it
     assert all(a["status"] == 200 and "error" not in (a.get("events") or [{}])[-1] for a in after)
 
-    answered = [a["id"] for a in during + after if a["id"] is not None]  # all but the 503s
-    deadline = time.monotonic() + 60
-    while True:
-        with sessions(serve_app)() as session:
-            rows = list(session.scalars(select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)))
-        by_id = {r.request_id: r for r in rows}
-        if set(answered) <= by_id.keys() or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    answered = [a["id"] for a in [long_stream, *during, *after] if a["id"] is not None]  # all but the 503s
+    by_id = usage_rows(serve_app, tenant_id, answered)
     # Every request that reached an engine is metered, once (the table's key forbids doubles): answered
-    # ones, and lost ones as failed.
-    assert set(answered) <= by_id.keys() and len(rows) <= len(during) + len(after)
+    # ones, and lost ones as failed; the lost stream on the victim among them.
+    with sessions(serve_app)() as session:
+        rows = list(session.scalars(select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)))
+    assert len(rows) <= 1 + len(during) + 1 + len(after)
     assert all(r.status in ("completed", "failed") for r in rows)
     assert len([r for r in rows if r.status == "failed"]) == lost
+    assert by_id[long_stream["id"]].status == "failed" and by_id[long_stream["id"]].replica == killed
     assert all(by_id[a["id"]].replica != killed for a in after)
     assert {by_id[a["id"]].status for a in after} == {"completed"}
+
+
+def usage_rows(app: ServeApp, tenant_id: str, ids: list[str], timeout: float = 60.0) -> dict[str, UsageEvent]:
+    deadline = time.monotonic() + timeout
+    while True:
+        with sessions(app)() as session:
+            rows = list(session.scalars(select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)))
+        by_id = {r.request_id: r for r in rows}
+        if set(ids) <= by_id.keys():
+            return by_id
+        assert time.monotonic() < deadline, f"usage rows missing: {set(ids) - by_id.keys()}"
+        time.sleep(0.5)

@@ -1,6 +1,7 @@
 """The threaded async engine: streaming, concurrency, and no orphan generation when a caller leaves."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped, PromptTooLong
-from deployments.engine.interface import EngineRequest, FinishReason
+from deployments.engine.interface import EngineRequest, EngineStats, FinishReason
 from deployments.engine.sampling_params import SamplingParams
 from tests.engine.helpers import drain, make_engine, text, tokens
 from tests.model_fixtures import TinySetup
@@ -65,34 +66,52 @@ async def test_concurrent_requests_over_many_adapters(engine: AsyncEngine, llama
     assert stats.busy_seconds > 0
 
 
+LONG = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)  # seconds of work on the tiny model
+FREED_WITHIN_S = 2.0
+
+
+async def freed_after(engine: AsyncEngine, before: EngineStats) -> tuple[EngineStats, float]:
+    """Waits until the engine holds nothing (no sequence, no KV block); returns its stats and how long
+    that took. Fails if it takes longer than FREED_WITHIN_S."""
+    start = time.monotonic()
+    while True:
+        stats = engine.stats()
+        if stats.running == stats.waiting == 0 and stats.kv_usage == 0.0 and stats.steps > before.steps:
+            return stats, time.monotonic() - start
+        assert time.monotonic() - start < FREED_WITHIN_S, f"still holding work: {stats}"
+        await asyncio.sleep(0.002)
+
+
+def assert_aborted_early(before: EngineStats, after: EngineStats, *, received: int) -> None:
+    """The engine aborted the request (it did not simply finish first) after a handful of tokens."""
+    assert after.aborts == before.aborts + 1
+    generated = after.generated_tokens - before.generated_tokens
+    assert received <= generated < LONG.max_tokens // 4  # type: ignore[operator]
+
+
 async def test_leaving_the_stream_aborts_the_request(engine: AsyncEngine) -> None:
-    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    before = engine.stats()
     received = []
-    async for out in engine.generate(EngineRequest("gone", [1, 2, 3], params)):
-        received.append(out)
-        if len(received) == 3:
-            break  # the client disconnected
-    assert all(out.token_ids for out in received)
-    deadline = time.monotonic() + 5
-    while engine.stats().running and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    stats = engine.stats()
-    assert stats.running == 0
-    assert stats.waiting == 0
-    assert stats.kv_usage == 0.0
+    async with contextlib.aclosing(engine.generate(EngineRequest("gone", [1, 2, 3], LONG))) as stream:
+        async for out in stream:
+            received.append(out)
+            if len(received) == 3:
+                break  # the client disconnected
+    assert all(out.token_ids and not out.finished for out in received)
+    after, _ = await freed_after(engine, before)
+    assert_aborted_early(before, after, received=3)
 
 
 async def test_cancelled_task_aborts_too(engine: AsyncEngine) -> None:
-    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-    task = asyncio.create_task(collect(engine, "cancel-me", [1, 2, 3], params))
-    await asyncio.sleep(0.2)
+    before = engine.stats()
+    task = asyncio.create_task(collect(engine, "cancel-me", [1, 2, 3], LONG))
+    while engine.stats().generated_tokens < before.generated_tokens + 5:  # it is decoding
+        await asyncio.sleep(0.002)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    deadline = time.monotonic() + 5
-    while engine.stats().running and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    assert engine.stats().running == 0
+    after, _ = await freed_after(engine, before)
+    assert_aborted_early(before, after, received=5)
 
 
 async def test_bad_input_raises_before_anything_is_queued(engine: AsyncEngine) -> None:

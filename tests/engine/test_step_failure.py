@@ -1,0 +1,45 @@
+"""A whole engine step that fails (the forward pass raises) fails the requests in that step, frees what
+they held, and the engine serves the next request as if nothing happened."""
+
+import pytest
+
+from deployments.engine.interface import EngineRequest, FinishReason, SamplingParams
+from tests.engine.helpers import drain, make_engine, preload, tokens
+from tests.model_fixtures import TinySetup
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def test_a_failed_forward_pass_fails_its_step_and_the_engine_goes_on(
+    llama: TinySetup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(llama)
+    preload(engine, llama)  # both requests are scheduled in the first step
+    expected = tokens(_run_alone(llama, "later"))
+    run = engine.runner.run
+
+    def broken_once(scheduled: object) -> object:
+        monkeypatch.setattr(engine.runner, "run", run)  # only this step breaks
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(engine.runner, "run", broken_once)
+    engine.add_request(EngineRequest("a", [1, 2, 3], GREEDY))
+    engine.add_request(EngineRequest("b", [4, 5, 6], GREEDY, llama.refs["demo-sql"]))
+    outputs = {out.request_id: out for out in engine.step()}
+    assert set(outputs) == {"a", "b"}
+    for out in outputs.values():
+        assert out.finished and out.finish_reason is FinishReason.ERROR
+        assert out.error is not None and "device fell over" in out.error
+    stats = engine.stats()
+    assert stats.running == stats.waiting == 0 and stats.kv_usage == 0.0 and stats.free_slots == 4
+
+    engine.add_request(EngineRequest("later", [7, 8, 9], GREEDY))
+    assert tokens(drain(engine)["later"]) == expected
+
+
+def _run_alone(llama: TinySetup, rid: str) -> list:  # type: ignore[type-arg]
+    engine = make_engine(llama)
+    engine.add_request(EngineRequest(rid, [7, 8, 9], GREEDY))
+    outputs = drain(engine)[rid]
+    engine.close()
+    return outputs
