@@ -9,6 +9,7 @@ released with the tokens really used, and exactly one RequestRecord goes to the 
 ends before any engine took it (rate limits, bad input) is counted by request_metrics.refused instead.
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -17,12 +18,13 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app import log_context, request_metrics
 from app.admission import Admission
 from app.authenticator import Principal
+from app.closing_stream_response import ClosingStreamingResponse
+from app.engine_stream import EngineStream, uncancellable
 from app.errors import GenerationFailed, InvalidParameter, to_api_error
 from app.metering.request_record import RequestRecord, RequestStatus
 from app.schemas.openai import (
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 MAX_ATTEMPTS = 3  # a request whose replica is lost before its client saw output runs at most this often
+STOP_WAIT_S = 5.0  # how long a leaving client's request may take to report its final usage
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
@@ -107,7 +110,9 @@ class Generation:
     prompt_tokens: int = 0
     streamed_tokens: int = 0  # what the client received, for reconciling an aborted request
     client_has_output: bool = False  # once true, a lost replica ends the request instead of restarting it
+    engine_stream: EngineStream | None = None  # the current attempt's
     _recorded: bool = False
+    _closing: "asyncio.Future[None] | None" = None
 
     @classmethod
     def begin(
@@ -161,25 +166,28 @@ class Generation:
             params=params,
             adapter=self.target.adapter,
             cache_salt=self.principal.tenant_id,  # tenants never share cached prefixes
+            announce=True,  # so a client leaving before its first token still pays for its prefill
         )
         outputs = self._engine_outputs()
         try:
             first = await anext(outputs)  # engine-side validation errors surface here, before any status
         except BaseException as error:
-            await self.admission.release(0)  # nothing was processed
+            if not isinstance(error, Exception):  # cancelled: the client left before the first token
+                await uncancellable(self.close("aborted"))
+                raise
+            await uncancellable(self.close("failed"))  # billed only if an engine had accepted it
             if isinstance(error, PromptTooLong) and self.kind == "chat":
                 error = error.for_param("messages")
-            if isinstance(error, Exception):  # the admission's headers ride on the error response too
-                api_error = to_api_error(error)
-                api_error.headers = {**self.admission.headers(), **api_error.headers}
-                raise api_error from None
-            raise
+            api_error = to_api_error(error)  # the admission's headers ride on the error response too
+            api_error.headers = {**self.admission.headers(), **api_error.headers}
+            raise api_error from None
         headers = self.admission.headers()
         if self.stream:
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self._sse(first, outputs),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
+                on_close=lambda: self.close("aborted"),  # a no-op when the stream ended by itself
             )
         return await self._collect(first, outputs, headers)
 
@@ -188,21 +196,44 @@ class Generation:
         running it is lost (ReplicaLost) while the client has seen none of its output, the request runs
         again from the start, under a fresh engine id (the lost attempt's abort may still be pending
         somewhere), on whichever replica the router now picks. Output a client has seen cannot be taken
-        back: then the loss ends the request. A consumer sees a restart as a new request_id."""
+        back: then the loss ends the request. A consumer sees a restart as a new request_id. Closing the
+        engine stream is `close`'s business, not this generator's: it runs whenever the client leaves."""
         assert self.engine_request is not None
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            outputs = self.services.engine.generate(self.target.base.name, self.engine_request)
+            stream = EngineStream(self.services.engine, self.target.base.name, self.engine_request)
+            self.engine_stream = stream
             try:
-                async for output in outputs:
-                    yield output
+                while not stream.finished:
+                    yield await stream.next()
                 return
             except ReplicaLost:
                 if self.client_has_output or attempt == MAX_ATTEMPTS:
                     raise
                 log.warning("request %s lost its engine replica; running it again", self.request_id)
-            finally:
-                await outputs.aclose()
+                await stream.close()
             self.engine_request = replace(self.engine_request, request_id=f"{self.request_id}.r{attempt}")
+
+    async def close(self, status: RequestStatus) -> None:
+        """End the request once, however many paths get here (the stream's own end, the response's close,
+        a cancelled handler): stop the engine request if it still runs (`aborted`), then release the lease
+        and bill what the engine processed. A request no engine accepted is released with nothing."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(status))
+        await asyncio.shield(self._closing)
+
+    async def _close(self, status: RequestStatus) -> None:
+        stream = self.engine_stream
+        if stream is not None and not stream.finished and status == "aborted":
+            last = await stream.stop(STOP_WAIT_S)
+        else:
+            last = None if stream is None else stream.last
+            if stream is not None:
+                await stream.close()
+        if stream is None or not stream.accepted:  # no engine took it: nothing to bill (`respond` counts it)
+            if self.admission is not None:
+                await self.admission.release(0)
+            return
+        await self._finish(status, last)
 
     def _capped(self, params: SamplingParams) -> SamplingParams:
         """The tier's max_tokens cap: asking for more is an error; asking for nothing means the cap."""
@@ -240,16 +271,14 @@ class Generation:
                 await self.admission.renew_if_due()
                 out = await anext(outputs)
         except BaseException as stopped:
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()
-                await self._finish("failed" if isinstance(stopped, EngineError) else "aborted", last)
+            await uncancellable(self.close("failed" if isinstance(stopped, EngineError) else "aborted"))
             raise
         if last.finish_reason is FinishReason.ERROR:
-            await self._finish("failed", last)
+            await uncancellable(self.close("failed"))
             error = GenerationFailed(last.error)
             error.headers = headers
             raise error
-        await self._finish("completed", last)
+        await uncancellable(self.close("completed"))
         return JSONResponse(self._final_body("".join(text), last), headers=headers)
 
     def _final_body(self, text: str, last: RequestOutput) -> dict[str, Any]:
@@ -308,11 +337,8 @@ class Generation:
             status = "failed"
             yield _event(to_api_error(error).body())
         finally:
-            # Leaving early (client gone, cancellation) closes the engine stream, which aborts generation.
-            # Shielded: under cancellation every await would otherwise raise again at once.
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()
-                await self._finish(status, last)
+            # Leaving early (client gone, cancellation) stops the engine request and bills what it did.
+            await uncancellable(self.close(status))
 
     def _chunk_factory(self, created: int) -> Callable[[Any, str | None], dict[str, Any]]:
         def chunk(delta: Any, reason: str | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from app import log_context
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
 from billing.routing_report import live_replicas
+from deployments.abort_request import AbortRequest
 from deployments.engine.interface import (
     AsyncEngine,
     EngineConfig,
@@ -95,6 +96,10 @@ class EngineReplica:
         )
         async for output in self.engine.generate(request):
             yield output
+
+    async def abort(self, request: AbortRequest) -> bool:
+        """Stop a request this replica runs; its stream ends with the ABORT output and usage."""
+        return await self.engine.abort(request.request_id)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

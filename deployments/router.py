@@ -27,6 +27,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.abort_request import AbortRequest
 from deployments.engine.interface import EngineRequest
 from deployments.rendezvous import rendezvous_order
 
@@ -83,6 +84,9 @@ class AdapterAwareRouter(RequestRouter):
         request = _engine_request(pending_request)
         if not candidate_replicas:
             return []
+        abort = _abort_request(pending_request)
+        if abort is not None:  # only the replica running the request can stop it
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == abort.replica]]
         if request is None:  # stats and other control calls: anyone not overloaded
             return [self._by_load(candidate_replicas)]
         ranks = self._rank(candidate_replicas, request)
@@ -144,6 +148,11 @@ class AdapterAwareRouter(RequestRouter):
 
 def _stats(replica: RunningReplica) -> dict[str, Any]:
     return replica.routing_stats or {}
+
+
+def _abort_request(pending: PendingRequest | None) -> AbortRequest | None:
+    first = pending.args[0] if pending is not None and pending.args else None
+    return first if isinstance(first, AbortRequest) else None
 
 
 def _engine_request(pending: PendingRequest | None) -> EngineRequest | None:

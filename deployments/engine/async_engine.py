@@ -73,7 +73,7 @@ class AsyncEngine:
         seq = self.engine.make_sequence(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(seq))
+        self._submit(lambda: self._add(seq, announce=request.announce))
         finished = False
         try:
             while True:
@@ -87,10 +87,12 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # the caller went away: stop generating for it
-                self._submit(lambda: self._abort(request_id))
+                self._submit(lambda: void(self._abort(request_id)))
 
-    def abort(self, request_id: str) -> None:
-        self._submit(lambda: self._abort(request_id))
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request; its stream then ends with an ABORT output carrying its usage. False if this
+        engine does not hold it (never came, or already finished)."""
+        return await self.call(lambda _: self._abort(request_id))
 
     def run_on_loop(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
         """Run `fn(engine)` on the loop thread between steps; the future holds its result or error. The
@@ -172,7 +174,7 @@ class AsyncEngine:
         if self._stopped.is_set() or self._error is not None:
             raise EngineStopped(f"engine is not running: {self._error or 'shut down'}")
 
-    def _add(self, seq: Sequence) -> None:
+    def _add(self, seq: Sequence, *, announce: bool) -> None:
         stream = self._streams.get(seq.request_id)
         if stream is None:  # cancelled before it reached the loop
             return
@@ -181,11 +183,16 @@ class AsyncEngine:
         except EngineError as error:  # refused (overloaded, unknown adapter): the caller raises it
             del self._streams[seq.request_id]
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            return
+        if announce:
+            accepted = RequestOutput(seq.request_id, "", usage=self.engine.usage_of(seq), accepted=True)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, accepted)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str) -> bool:
         out = self.engine.abort(request_id)
         if out is not None:
             self._deliver([out])
+        return out is not None
 
     def _run(self) -> None:
         try:
@@ -193,11 +200,10 @@ class AsyncEngine:
                 self._drain_inbox()
                 self.engine.adapters.load_pinned()  # also when idle: a pin takes its slot right away
                 busy = self.engine.has_unfinished()
-                if busy:
-                    outputs = self.engine.step()
-                    if outputs:
-                        self._deliver(outputs)
-                self._stats = self.engine.stats()
+                outputs = self.engine.step() if busy else []
+                self._stats = self.engine.stats()  # before delivering: a caller who saw an output sees this
+                if outputs:
+                    self._deliver(outputs)
                 if (not busy or self.engine.last_step_tokens == 0) and self._inbox.empty():
                     # Idle, or every waiting request waits on an adapter load: sleep until woken.
                     self._wakeup.wait(timeout=0.05 if busy else 1.0)
@@ -227,6 +233,10 @@ class AsyncEngine:
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():  # one thread hop per event loop per step
             loop.call_soon_threadsafe(_put_all, items)
+
+
+def void(_: object) -> None:
+    """Drop a job's result (the inbox takes jobs returning None)."""
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:

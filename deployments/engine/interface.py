@@ -43,6 +43,11 @@ class EngineClient(Protocol):
         the generator early aborts the request. A lost engine replica raises ReplicaLost."""
         ...
 
+    async def abort(self, base_model: str, request_id: str, replica: str | None) -> bool:
+        """Ask the engine holding a request (`replica`, from its `accepted` output) to stop it; its stream
+        then ends with an ABORT output carrying the usage so far. False if no engine there holds it."""
+        ...
+
     async def ready(self, base_model: str) -> bool:
         """Whether an engine of this base model has its model loaded and takes requests. Cheap; the caller
         bounds how long it may take (a deployment whose replicas are all starting answers late)."""

@@ -99,6 +99,8 @@ class LLMEngine:
         self.last_step_tokens = 0
         self.adapter_requests = 0
         self.adapter_arrival_hits = 0
+        self.aborts = 0  # requests stopped by abort() while still running or waiting
+        self.generated_tokens = 0  # every output token sampled, aborted requests' included
         log.info(
             "engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, LoRA kernel %s",
             num_blocks,
@@ -164,6 +166,7 @@ class LLMEngine:
         seq = self._requests.get(request_id)
         if seq is None:
             return None
+        self.aborts += 1
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._final(seq, "")
 
@@ -196,6 +199,8 @@ class LLMEngine:
             if id(item) not in broken:
                 item.seq.num_computed += item.num_tokens
                 self.blocks.commit(item.seq)
+                seq, m = item.seq, item.seq.metrics
+                m.prompt_processed = max(m.prompt_processed, min(seq.num_computed, seq.num_prompt_tokens))
         for item, token in zip(sampling, tokens, strict=True):
             if isinstance(token, str):  # only the row that could not be sampled fails
                 outputs += self._fail([item], f"sampling failed: {token}")
@@ -239,6 +244,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
+        self.generated_tokens += 1
         if seq.metrics.first_token is None:
             seq.metrics.first_token = time.monotonic()
         detok = self._detokenizers[seq.request_id]
@@ -262,7 +268,7 @@ class LLMEngine:
         if reason is None:
             # Every output carries the usage so far: if the client goes away mid-stream, the ingress
             # bills what the engine had processed up to the last output it received.
-            return RequestOutput(seq.request_id, text, [token], usage=self._usage(seq))
+            return RequestOutput(seq.request_id, text, [token], usage=self.usage_of(seq))
         if delta_stop is None:  # flush held-back text; it may complete a stop string itself
             text += detok.finish()
             if detok.stop_reason is not None:
@@ -281,16 +287,20 @@ class LLMEngine:
             finished=True,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            usage=self._usage(seq),
+            usage=self.usage_of(seq),
             error=seq.error,
         )
 
-    def _usage(self, seq: Sequence) -> RequestUsage:
+    def usage_of(self, seq: Sequence) -> RequestUsage:
         """What the request has used so far (final once it finished)."""
         m = seq.metrics
         end = m.finished or time.monotonic()
+        # Until its first token a request has used only the prompt it processed (cached blocks included):
+        # one aborted in the queue costs nothing, one aborted mid-prefill the chunks that ran.
+        processed = max(m.prompt_processed, m.cached_prompt_tokens)
+        prompt = seq.num_prompt_tokens if seq.num_output_tokens else processed
         return RequestUsage(
-            prompt_tokens=seq.num_prompt_tokens,
+            prompt_tokens=prompt,
             cached_prompt_tokens=m.cached_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
             queue_ms=((m.first_scheduled or end) - m.arrival) * 1e3,
@@ -329,6 +339,8 @@ class LLMEngine:
             adapter_evictions=slots.evictions,
             adapter_requests=self.adapter_requests,
             adapter_arrival_hits=self.adapter_arrival_hits,
+            aborts=self.aborts,
+            generated_tokens=self.generated_tokens,
             adapter_disk_loads=dict(self.adapters.disk_loads),
         )
 

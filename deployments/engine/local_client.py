@@ -15,6 +15,10 @@ class LocalEngineClient:
     def generate(self, base_model: str, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         return self.engines[base_model].generate(request)
 
+    async def abort(self, base_model: str, request_id: str, replica: str | None) -> bool:
+        engine = self.engines.get(base_model)
+        return engine is not None and await engine.abort(request_id)
+
     async def ready(self, base_model: str) -> bool:
         engine = self.engines.get(base_model)
         return engine is not None and engine.running

@@ -36,6 +36,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token that ended it
     usage: RequestUsage | None = None  # so far on every output; final on the finished one
     error: str | None = None  # set when finish_reason is ERROR
+    accepted: bool = False  # the announcement that the engine queued it (EngineRequest.announce): no tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,4 +58,6 @@ class EngineStats:
     adapter_evictions: int
     adapter_requests: int = 0  # requests naming an adapter
     adapter_arrival_hits: int = 0  # ...that found it here already (slot, CPU tier, or loading)
+    aborts: int = 0  # requests aborted (the caller left) before they finished
+    generated_tokens: int = 0  # output tokens sampled since start
     adapter_disk_loads: dict[str, int] = field(default_factory=dict)  # ref -> reads from the store

@@ -13,3 +13,6 @@ class EngineRequest:
     params: SamplingParams
     adapter: AdapterRef | None = None
     cache_salt: str | None = None  # prefix-cache scope; the ingress passes the tenant id
+    # Send an `accepted` output as soon as the engine queued the request, naming the replica: a caller who
+    # leaves later knows whom to ask to abort it and that it must wait for the final usage.
+    announce: bool = False

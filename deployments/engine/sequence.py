@@ -27,6 +27,7 @@ class SequenceMetrics:
     finished: float | None = None
     gpu_time: float = 0.0
     cached_prompt_tokens: int = 0
+    prompt_processed: int = 0  # most prompt tokens ever in the KV cache (preemption resets num_computed)
     num_preemptions: int = 0
 
 

@@ -33,10 +33,13 @@ class LosesFirstAttempts:
             async for output in outputs:
                 if lose and delivered == self.after:
                     raise ReplicaLost(request.request_id, delivered)
-                delivered += 1
+                delivered += not output.accepted  # the engine's acceptance carries no tokens
                 yield output
         finally:
             await outputs.aclose()
+
+    async def abort(self, base_model: str, request_id: str, replica: str | None) -> bool:
+        return await self.inner.abort(base_model, request_id, replica)
 
 
 def complete(served: Served, key: str, **body: object) -> httpx.Response:

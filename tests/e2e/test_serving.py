@@ -1,17 +1,20 @@
 """End to end on Ray Serve: OpenAI SDK and raw HTTP against two base models served side by side."""
 
 import json
+import socket
 import time
 
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
+from sqlalchemy import select
 
 from app.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
+from billing.models import UsageEvent
 from deployments.engine.config import EngineConfig
-from deployments.engine.interface import EngineRequest
+from deployments.engine.interface import EngineRequest, EngineStats
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import ServeApp
@@ -105,8 +108,23 @@ def test_raw_http_errors_carry_request_ids(serve_app: ServeApp, key: str) -> Non
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
 
 
+def engine_stats(serve_app: ServeApp) -> EngineStats:
+    stats: EngineStats = serve_app.engine_handle("tiny-llama").stats.remote().result()
+    return stats
+
+
+def wait_until_freed(serve_app: ServeApp, since: float, bound_s: float = 5.0) -> EngineStats:
+    """The replica holds no sequence and no KV block; fails past `bound_s` after `since`."""
+    while (stats := engine_stats(serve_app)).running or stats.waiting or stats.kv_usage:
+        assert time.monotonic() - since < bound_s, f"the replica still holds work: {stats}"
+        time.sleep(0.02)
+    return stats
+
+
 def test_client_disconnect_aborts_on_the_engine_replica(serve_app: ServeApp, key: str) -> None:
-    body = {"model": "tiny-llama", "prompt": "go", "max_tokens": 900, "temperature": 0, "stream": True}
+    max_tokens = 1000
+    body = {"model": "tiny-llama", "prompt": "go", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    before = engine_stats(serve_app)
     with httpx.stream(
         "POST",
         f"{serve_app.url}/v1/completions",
@@ -118,15 +136,64 @@ def test_client_disconnect_aborts_on_the_engine_replica(serve_app: ServeApp, key
         seen = 0
         for line in response.iter_lines():
             if line.startswith("data: "):
-                json.loads(line[6:])
+                assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
                 seen += 1
             if seen == 3:
                 break
-    handle = serve_app.engine_handle("tiny-llama")
-    deadline = time.monotonic() + 20
-    stats = handle.stats.remote().result()
-    while (stats.running or stats.waiting) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        stats = handle.stats.remote().result()
-    assert stats.running == 0 and stats.waiting == 0
-    assert stats.kv_usage == 0.0
+    after = wait_until_freed(serve_app, time.monotonic())
+    assert after.aborts == before.aborts + 1  # the replica aborted it; it did not run to the end unseen
+    assert 3 <= after.generated_tokens - before.generated_tokens < max_tokens // 4
+
+
+def test_cancelling_through_the_serve_handle_aborts_on_the_replica(serve_app: ServeApp) -> None:
+    """What the ingress does when its client leaves: cancel the streaming handle call."""
+    max_tokens = 1000
+    handle = serve_app.engine_handle("tiny-llama").options(stream=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    before = engine_stats(serve_app)
+    stream = handle.generate.remote(EngineRequest(f"handle-{time.monotonic_ns()}", [5, 6, 7], params))
+    received = [next(stream) for _ in range(3)]
+    assert all(out.token_ids and not out.finished for out in received)
+    stream.cancel()
+    after = wait_until_freed(serve_app, time.monotonic())
+    assert after.aborts == before.aborts + 1
+    assert 3 <= after.generated_tokens - before.generated_tokens < max_tokens // 4
+
+
+def test_a_client_leaving_before_its_first_token_is_billed_once(serve_app: ServeApp) -> None:
+    """The engine had taken the request (it waits for KV behind a long one) when its client left: the
+    ingress stops it on that replica and bills what the engine processed, in exactly one row."""
+    tenant_id, key = serve_app.new_tenant(f"e2e-leave-{time.monotonic_ns()}", tier="enterprise")
+    headers = {"authorization": f"Bearer {key}"}
+    filler = {"model": "tiny-llama", "prompt": [5] * 800, "max_tokens": 200, "temperature": 0, "stream": True}
+    url = f"{serve_app.url}/v1/completions"
+    with httpx.stream("POST", url, json=filler, headers=headers, timeout=60) as held:
+        assert held.status_code == 200
+        lines = held.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the filler holds most of the KV cache
+        waiting_before = engine_stats(serve_app).waiting
+        request = {"model": "tiny-llama", "prompt": [6] * 300, "max_tokens": 50, "stream": True}
+        body = json.dumps(request).encode()
+        host, port = serve_app.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            head = f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {key}\r\n"
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode() + body)
+            deadline = time.monotonic() + 20
+            while engine_stats(serve_app).waiting <= waiting_before:  # the engine has it, queued
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                time.sleep(0.02)
+            sock.shutdown(socket.SHUT_RDWR)
+    with serve_app.sessions()() as session:
+        deadline = time.monotonic() + 30
+        while True:
+            rows = list(session.scalars(select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)))
+            left = [r for r in rows if r.prompt_tokens != 800]  # not the filler
+            if left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+            session.expire_all()
+    assert len(left) == 1, f"rows for the request whose client left: {left}"
+    row = left[0]
+    assert row.status == "aborted" and row.finish_reason == "abort"
+    assert 0 <= row.prompt_tokens <= 300 and row.completion_tokens == 0
