@@ -220,8 +220,11 @@ def _validation_error(_: Request, error: Exception) -> JSONResponse:
 def _http_error(_: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, StarletteHTTPException)
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    message, code = str(error.detail), None
+    if error.status_code == 413:  # app/body_limit.py, for a body that declared no length
+        code = "request_too_large"
     return APIError(
-        error.status_code, str(error.detail), type=kind, headers=dict(error.headers or {})
+        error.status_code, message, type=kind, code=code, headers=dict(error.headers or {})
     ).response()
 
 

@@ -149,6 +149,7 @@ class Generation:
         self, prompt_ids: list[int], params: SamplingParams
     ) -> JSONResponse | StreamingResponse:
         self.prompt_tokens = len(prompt_ids)
+        self._check_context(params)  # before admission: a request that cannot run reserves nothing
         params = self._capped(params)
         room = self.target.base.max_model_len - len(prompt_ids)
         self.admission = await Admission.acquire(
@@ -234,6 +235,20 @@ class Generation:
                 await self.admission.release(0)
             return
         await self._finish(status, last)
+
+    def _check_context(self, params: SamplingParams) -> None:
+        """What no engine of this model can serve: a prompt that fills the context, or max_tokens past it."""
+        context = self.target.base.max_model_len
+        if self.prompt_tokens >= context:
+            message = (
+                f"This model's context is {context} tokens; the prompt has {self.prompt_tokens} "
+                "and leaves no room for output."
+            )
+            param = "messages" if self.kind == "chat" else "prompt"
+            raise InvalidParameter(message, param=param, code="context_length_exceeded")
+        if params.max_tokens is not None and params.max_tokens > context:
+            message = f"max_tokens {params.max_tokens} exceeds this model's context of {context} tokens."
+            raise InvalidParameter(message, param="max_tokens", code="context_length_exceeded")
 
     def _capped(self, params: SamplingParams) -> SamplingParams:
         """The tier's max_tokens cap: asking for more is an error; asking for nothing means the cap."""

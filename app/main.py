@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from app.body_limit import BodyLimitMiddleware
 from app.errors import install_error_handlers
 from app.middleware import RequestContextMiddleware
 from app.routes import admin, admin_adapters, completions, health, limits, models, routing, usage, usage_page
@@ -26,7 +27,13 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False) -> FastA
     )
     app.state.services = services
     install_error_handlers(app)
-    app.add_middleware(RequestContextMiddleware, emit_header=not behind_serve_proxy)
+    settings = services.settings
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=settings.max_body_kb * 1024,
+        max_upload_bytes=settings.max_upload_mb * 2**20,
+    )
+    app.add_middleware(RequestContextMiddleware, emit_header=not behind_serve_proxy)  # the outer one
     routers = (
         completions.router,
         models.router,

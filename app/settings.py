@@ -39,6 +39,17 @@ class Settings(BaseSettings):
         description="How long a name -> adapter version lookup is cached per ingress replica.",
     )
     max_upload_mb: int = Field(default=1024, ge=1, description="Largest adapter upload accepted.")
+    max_body_kb: int = Field(
+        default=2048,
+        ge=1,
+        description="Largest request body on every route but adapter uploads; larger gets 413 unread.",
+    )
+    max_messages: int = Field(default=1024, ge=1, description="Most chat messages in one request.")
+    max_prompt_chars: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Most characters of prompt text (all messages together) one request may send.",
+    )
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"

@@ -8,6 +8,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, f
 from deployments.engine.interface import MIN_REPETITION_PENALTY  # the sampler's float32 floor
 
 MAX_STOP = 4  # as OpenAI
+# Bounds that no served model reaches: a number past them is a mistake, refused by name before it can
+# reach the limiter or the engine (the model's own context bounds max_tokens further, per request).
+MAX_TOKENS_BOUND = 1 << 20
+MAX_TOP_K = 1 << 20
+StopString = Annotated[str, Field(max_length=1024)]  # echoed back in errors and logs: bounded
 
 
 class _Request(BaseModel):
@@ -37,16 +42,16 @@ class SamplingFields(_Request):
     """Fields shared by both endpoints; vLLM's extensions top_k, min_p and repetition_penalty included."""
 
     model: str = Field(min_length=1, description="A base model or one of your adapters.")
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=10)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     n: Annotated[int, Field(ge=1, le=1, description="Only one choice per request is served.")] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -78,7 +83,7 @@ class SamplingFields(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
 
     @property
     def output_limit(self) -> int | None:
@@ -87,7 +92,9 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(description="Text, or token ids.")
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # absent: 16 (OpenAI's default), within the cap
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = (
+        None  # absent: 16 (OpenAI's default), within the cap
+    )
     echo: Literal[False] = False
 
     @field_validator("prompt")

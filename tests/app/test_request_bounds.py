@@ -1,0 +1,123 @@
+"""Tenants who send too much: bodies over the limit get 413 unread, prompts are bounded in messages and
+characters, tokenisation runs off the event loop, and numbers no model can serve are refused by name
+before they reach the limiter or the engine. Nothing refused here leaves a usage row."""
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from app.prompts import PromptBuilder
+from tests.app.conftest import ADMIN_KEY, MODEL, Served
+from tests.app.test_error_contract import assert_error
+from tests.app.test_metering import usage_rows
+
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def tenant(served: Served) -> tuple[str, str]:
+    return served.new_tenant(f"bounds-{uuid.uuid4().hex[:8]}", tier="enterprise")
+
+
+def post(served: Served, key: str, path: str, **kwargs: object) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    return httpx.post(f"{served.url}{path}", headers=headers, timeout=60, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(served: Served, tenant: tuple[str, str]) -> None:
+    tenant_id, key = tenant
+    limit = served.services.settings.max_body_kb * 1024
+    big = b'{"model": "tiny-llama", "prompt": "' + b"a" * limit + b'"}'
+    error = assert_error(post(served, key, "/v1/completions", content=big), 413, code="request_too_large")
+    assert "larger" in error["message"]
+
+    def chunks() -> Iterator[bytes]:  # no content-length: counted as it arrives
+        for start in range(0, len(big), 65536):
+            yield big[start : start + 65536]
+
+    assert_error(post(served, key, "/v1/completions", content=chunks()), 413, code="request_too_large")
+    assert usage_rows(served, tenant_id) == []
+
+
+def test_adapter_uploads_have_their_own_larger_limit(served: Served) -> None:
+    over_tenant_limit = b"x" * (served.services.settings.max_body_kb * 1024 + 1)
+    r = httpx.post(
+        f"{served.url}/admin/adapters",
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+        data={"name": "too-big-for-chat", "owner": "public"},
+        files={"file": ("adapter.zip", over_tenant_limit)},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text  # read and judged as an adapter (not a zip), not refused unread
+
+
+def test_message_count_and_prompt_characters_are_capped(served: Served, tenant: tuple[str, str]) -> None:
+    tenant_id, key = tenant
+    settings = served.services.settings
+    many = [{"role": "user", "content": "hi"}] * (settings.max_messages + 1)
+    r = post(served, key, "/v1/chat/completions", json={"model": MODEL, "messages": many})
+    assert_error(r, 400, code="too_many_messages", param="messages")
+    long = "a" * (settings.max_prompt_chars + 1)
+    r = post(served, key, "/v1/completions", json={"model": MODEL, "prompt": long})
+    assert_error(r, 400, code="prompt_too_large", param="prompt")
+    messages = [{"role": "user", "content": long[: len(long) // 2]}, {"role": "user", "content": long}]
+    r = post(served, key, "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert_error(r, 400, code="prompt_too_large", param="messages")
+    assert usage_rows(served, tenant_id) == []
+
+
+def test_templating_and_tokenisation_run_off_the_event_loop(
+    served: Served, tenant: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    chat, completion = PromptBuilder.chat, PromptBuilder.completion
+
+    def recording_chat(self: PromptBuilder, *args: object) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return chat(self, *args)  # type: ignore[arg-type]
+
+    def recording_completion(self: PromptBuilder, *args: object) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return completion(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PromptBuilder, "chat", recording_chat)
+    monkeypatch.setattr(PromptBuilder, "completion", recording_completion)
+    _, key = tenant
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert post(served, key, "/v1/chat/completions", json=body).status_code == 200
+    assert post(served, key, "/v1/completions", json={"model": MODEL, "prompt": "hi"}).status_code == 200
+    assert len(threads) == 2
+    assert all(name.startswith("AnyIO worker thread") for name in threads), threads
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"prompt": [5] * CONTEXT, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+        ({"prompt": "hi", "max_tokens": CONTEXT + 1}, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "hi", "max_tokens": 1e20}, "max_tokens", None),
+        ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens", None),
+        ({"prompt": "hi", "top_k": 2**40}, "top_k", None),
+        ({"prompt": "hi", "stop": "x" * 5000}, "stop", None),
+    ],
+    ids=[
+        "prompt-fills-context",
+        "max-tokens-past-context",
+        "max-tokens-1e20",
+        "max-tokens-2e40",
+        "top-k",
+        "stop",
+    ],
+)
+def test_numbers_no_model_can_serve_are_refused_by_name_before_admission(
+    served: Served, body: dict[str, object], param: str, code: str | None
+) -> None:
+    tenant_id, key = served.new_tenant(f"bounds-n-{uuid.uuid4().hex[:8]}", tier="enterprise")
+    r = post(served, key, "/v1/completions", json={"model": MODEL, **body})
+    error = assert_error(r, 400, code=code)
+    assert error["param"] == param or param in error["message"], error
+    assert "x-ratelimit-remaining-tokens" not in r.headers or r.headers["x-ratelimit-remaining-tokens"] != "0"
+    assert usage_rows(served, tenant_id) == []
