@@ -1,8 +1,10 @@
 """Admission: one request's passage through the tenant's rate limits, from admit to release.
 
 Reject tiers get a 429 at once; queue tiers wait (in arrival order) up to max_queue_ms, then 429. The
-token reservation is prompt + max_tokens (or the tier's cap), and on release it is replaced by what the
-request really used, so a tenant who asked for 1000 tokens and used 10 gets 990 back at once.
+waiting is the backend's, in one admit call (no polling from here), and a tenant with too many waiters
+already gets its 429 at once (queue_full). The token reservation is prompt + max_tokens (or the tier's
+cap), and on release it is replaced by what the request really used, so a tenant who asked for 1000
+tokens and used 10 gets 990 back at once.
 """
 
 import asyncio
@@ -19,10 +21,10 @@ from app.metrics import Counter
 log = logging.getLogger(__name__)
 _RETRIES: set["asyncio.Future[None]"] = set()  # background release retries, kept from the GC
 RENEW_EVERY_S = 30.0  # leases last minutes; a long stream renews well before they lapse
-QUEUE_POLL_S = 0.025
 
-# reason: requests, tokens, concurrency or queued (a limit was reached), too_large (more than a minute's
-# tokens), unavailable (the limiter could not be reached and the ingress fails closed).
+# reason: requests, tokens, concurrency or queued (a limit was reached), queue_full (too many waiters
+# already), too_large (more than a minute's tokens), unavailable (the limiter could not be reached and the
+# ingress fails closed).
 REJECTIONS = Counter(
     "loraplex_limiter_rejections", "Requests the rate limiter refused.", ("tenant", "reason")
 )
@@ -52,23 +54,12 @@ class Admission:
     ) -> "Admission":
         if limits.unlimited:
             return cls(None, tenant, request_id, limits, None)
-        queued = limits.on_limit == "queue" and limits.max_queue_ms > 0
+        wait_ms = limits.max_queue_ms if limits.on_limit == "queue" else 0
         start = time.monotonic()
-        deadline = start + limits.max_queue_ms / 1000
+        finished = False  # the backend answered: it has left the queue itself
         try:
-            while True:
-                decision = await backend.admit(tenant, request_id, limits, reserve, queued=queued)
-                if decision.admitted:
-                    return cls(backend, tenant, request_id, limits, decision)
-                if decision.reason == "too_large":
-                    _count_rejection(tenant, "too_large")
-                    raise RequestTooLarge(reserve, limits, tier)
-                now = time.monotonic()
-                if not queued or now >= deadline:
-                    waited = int((now - start) * 1000) if queued else 0
-                    _count_rejection(tenant, decision.reason or "requests")
-                    raise RateLimited(decision, limits, tier, queued_ms=waited)
-                await asyncio.sleep(min(decision.retry_after_ms / 1000, QUEUE_POLL_S, deadline - now))
+            decision = await backend.admit(tenant, request_id, limits, reserve, wait_ms=wait_ms)
+            finished = True
         except LimiterUnavailable as error:
             # A call that timed out may still have admitted us over there: give any lease back.
             with anyio.CancelScope(shield=True):
@@ -79,9 +70,29 @@ class Admission:
             _count_rejection(tenant, "unavailable")
             raise
         finally:
-            if queued:  # leaving (admitted, refused, cancelled): never keep a place in the queue
+            if wait_ms > 0 and not finished:  # cancelled or failed mid-wait: never keep a place
                 with anyio.CancelScope(shield=True):
                     await _quietly(backend.leave_queue(tenant, request_id))
+        if decision.admitted:
+            return cls(backend, tenant, request_id, limits, decision)
+        _count_rejection(tenant, decision.reason or "requests")
+        if decision.reason == "too_large":
+            raise RequestTooLarge(reserve, limits, tier)
+        waited = int((time.monotonic() - start) * 1000) if decision.reason != "queue_full" else 0
+        raise RateLimited(decision, limits, tier, queued_ms=waited if wait_ms > 0 else 0)
+
+    @staticmethod
+    async def count_refused(backend: LimiterBackend, *, tenant: str, request_id: str, limits: Limits) -> None:
+        """A request refused for its own input (a 400) still costs the tenant one request per minute, so a
+        flood of bad requests is throttled like any other. Best effort: it never changes the answer."""
+        if limits.rpm is None:
+            return
+        try:
+            decision = await backend.admit(tenant, request_id, limits, 0)
+            if decision.admitted:
+                await backend.release(tenant, request_id, 0)
+        except Exception as error:  # the limiter is away: the refusal stands all the same
+            log.debug("counting refused request %s failed: %s", request_id, error)
 
     def headers(self) -> dict[str, str]:
         return {} if self.decision is None else self.decision.headers()

@@ -1,31 +1,18 @@
 """BodyLimitMiddleware: request bodies over a limit are answered 413 before anything parses them.
 
-A declared Content-Length over the limit is refused without reading a byte; a body sent without one
-(chunked) is counted as it arrives and refused at the first byte past the limit. Adapter uploads have
-their own, larger limit; every other route (the tenant API above all) gets the small one. FastAPI's own
-`max_body_size` is not used: it replaces any response to such a request with a plain-text 413, so the
-error would lose the OpenAI shape and the request id.
+A declared Content-Length over the limit is refused without reading a byte. A body sent without one
+(chunked) is read here up to the limit and refused at the first byte past it; FastAPI reads whole bodies
+anyway, so buffering them first costs nothing. Adapter uploads have their own, larger limit and stream to
+disk under it (app/upload.py): only their declared length is checked here. FastAPI's own `max_body_size`
+is not used: it replaces any response to such a request with a plain-text 413, so the error would lose
+the OpenAI shape and the request id.
 """
 
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import APIError
+from app.errors import BodyTooLarge
 
 UPLOAD_PATH = "/admin/adapters"
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(
-        413, f"The request body is larger than this route accepts ({limit} bytes).", code="request_too_large"
-    )
-
-
-class BodyTooLarge(HTTPException):
-    """Raised from `receive`: FastAPI passes HTTPExceptions from body reading through to the handlers."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, _too_large(limit).message)
 
 
 class BodyLimitMiddleware:
@@ -42,16 +29,29 @@ class BodyLimitMiddleware:
         limit = self.max_upload_bytes if is_upload else self.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await _too_large(limit).response()(scope, receive, send)
+            await BodyTooLarge(limit).response()(scope, receive, send)
             return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
+        if is_upload or declared is not None:  # within its declared length: the server enforces that
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise BodyTooLarge(limit)
-            return message
+            if message["type"] != "http.request":  # the client left mid-body
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await BodyTooLarge(limit).response()(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+        replayed = False
 
-        await self.app(scope, counted, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

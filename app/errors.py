@@ -16,7 +16,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound
-from app.limits import Decision, LimiterUnavailable, Limits
+from app.limits import Decision, InvalidTokenCount, LimiterUnavailable, Limits
 from billing.errors import (
     ApiKeyNotFound,
     BillingError,
@@ -113,6 +113,8 @@ _LIMIT_NAMES = {
     "requests": "requests per minute (RPM): limit {limit}",
     "tokens": "tokens per minute (TPM): limit {limit}",
     "concurrency": "concurrent requests: limit {limit}",
+    "queued": "queued requests: the wait ran out behind earlier ones",
+    "queue_full": "queued requests: this tenant has the most queued that it may",
 }
 
 
@@ -144,6 +146,12 @@ class RequestTooLarge(APIError):
         super().__init__(429, message, code="request_too_large", headers={"x-should-retry": "false"})
 
 
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        message = f"The request body is larger than this route accepts ({limit} bytes)."
+        super().__init__(413, message, code="request_body_too_large")
+
+
 class GenerationFailed(APIError):
     def __init__(self, reason: str | None) -> None:
         message = f"The model failed while generating: {reason}"
@@ -168,6 +176,8 @@ def to_api_error(error: Exception) -> APIError:
         )
     if isinstance(error, PromptTooLong):
         return APIError(400, str(error), param=error.param, code="context_length_exceeded")
+    if isinstance(error, InvalidTokenCount):  # the schema's bounds normally stop such numbers first
+        return APIError(400, str(error), param="max_tokens")
     if isinstance(error, InvalidRequest):
         return APIError(400, str(error), param=error.param)
     if isinstance(error, EngineOverloaded | EngineStopped):
@@ -220,11 +230,8 @@ def _validation_error(_: Request, error: Exception) -> JSONResponse:
 def _http_error(_: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, StarletteHTTPException)
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-    message, code = str(error.detail), None
-    if error.status_code == 413:  # app/body_limit.py, for a body that declared no length
-        code = "request_too_large"
     return APIError(
-        error.status_code, message, type=kind, code=code, headers=dict(error.headers or {})
+        error.status_code, str(error.detail), type=kind, headers=dict(error.headers or {})
     ).response()
 
 

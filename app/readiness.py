@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy import text
 
+from app.limits.peek_cache import PeekCache
 from app.services import Services
 
 CHECK_TIMEOUT_S = 2.0
@@ -25,6 +26,7 @@ class Readiness:
         self.services = services
         self.timeout_s = timeout_s
         self._database_probe: asyncio.Future[None] | None = None
+        self._limiter_peeks: PeekCache | None = None
 
     async def check(self) -> dict[str, str]:
         """Check name -> "ok", or what is wrong."""
@@ -61,8 +63,10 @@ class Readiness:
         await asyncio.shield(self._database_probe)
 
     async def _limiter(self) -> None:
-        # The read-only peek: a round trip to the shared state that changes nothing.
-        await self.services.limiter.peek(PROBE)
+        # The read-only peek, cached for a second: /readyz is unauthenticated, and a loop of probes must
+        # not become a loop of round trips to the limiter that every admission needs.
+        self._limiter_peeks = PeekCache.reuse(self._limiter_peeks, self.services.limiter)
+        await self._limiter_peeks.peek(PROBE)
 
     def _engine(self, base_model: str) -> Callable[[], Awaitable[None]]:
         async def probe() -> None:

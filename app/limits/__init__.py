@@ -2,6 +2,9 @@
 
     protocol.py        Limits, Decision, WindowState, LimiterBackend (what app/ imports, through this face)
     state.py           LimiterState: the algorithm on in-memory state
+    waiting_state.py   WaitingState: LimiterState plus waiters that sleep until woken (local and Ray)
+    wakeups.py         Wakeups: sleeping waiters per tenant, woken in queue order from any thread
+    peek_cache.py      PeekCache: peeks shared for a moment, so reads cannot flood the limiter
     local_backend.py   LocalLimiter: LimiterState in this process (one ingress replica, tests)
     ray_backend.py     RayLimiter: LimiterState in one named Ray actor (the embedded default)
     redis_backend.py   RedisLimiter: the same algorithm as Lua scripts in Redis (production)
@@ -11,8 +14,10 @@ Only factory.py and the composition root (app/bootstrap.py, deployments/ingress.
 """
 
 from app.limits.protocol import (
+    MAX_TOKENS,
     WINDOW_MS,
     Decision,
+    InvalidTokenCount,
     LimiterBackend,
     LimiterUnavailable,
     Limits,
@@ -22,8 +27,10 @@ from app.limits.protocol import (
 )
 
 __all__ = [
+    "MAX_TOKENS",
     "WINDOW_MS",
     "Decision",
+    "InvalidTokenCount",
     "LimiterBackend",
     "LimiterUnavailable",
     "Limits",

@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.limits.protocol import LimiterBackend
+from app.limits.protocol import DEFAULT_MAX_WAITERS, LimiterBackend
 
 
 class LimiterConfig(BaseModel):
@@ -16,6 +16,18 @@ class LimiterConfig(BaseModel):
     redis_url: str | None = Field(default=None, description="redis://host:port/db, for backend redis.")
     fail_open: bool = Field(
         default=False, description="Admit requests when the limiter is unreachable (default: answer 503)."
+    )
+    timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="How long one limiter call may take before the limiter counts as unreachable (a "
+        "queued admit gets its queue wait on top). A hang guard: a refused connection fails at once.",
+    )
+    max_waiters_per_tenant: int = Field(
+        default=DEFAULT_MAX_WAITERS,
+        ge=0,
+        description="Requests of one tenant that may wait in an on_limit: queue tier's queue at once; "
+        "more are refused with a 429 at once, so one tenant's flood cannot tie up the limiter.",
     )
 
     @model_validator(mode="after")
@@ -31,7 +43,9 @@ def make_limiter(config: LimiterConfig) -> LimiterBackend:
         from app.limits.redis_backend import RedisLimiter
 
         assert config.redis_url is not None  # the validator saw to it
-        return RedisLimiter(config.redis_url)
+        return RedisLimiter(
+            config.redis_url, timeout_s=config.timeout_s, max_waiters_per_tenant=config.max_waiters_per_tenant
+        )
     from app.limits.ray_backend import RayLimiter
 
-    return RayLimiter()
+    return RayLimiter(timeout_s=config.timeout_s, max_waiters_per_tenant=config.max_waiters_per_tenant)

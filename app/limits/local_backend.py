@@ -1,27 +1,28 @@
-"""LocalLimiter: LimiterState in this process, correct for one ingress replica (tests, single-process
+"""LocalLimiter: WaitingState in this process, correct for one ingress replica (tests, single-process
 tools); a Serve deployment with several ingress replicas shares a Ray actor or Redis instead."""
 
-from app.limits.protocol import Decision, LimiterBackend, Limits, WindowState
-from app.limits.state import LimiterState
+from app.limits.protocol import DEFAULT_MAX_WAITERS, Decision, LimiterBackend, Limits, WindowState
+from app.limits.waiting_state import WaitingState
 
 
 class LocalLimiter(LimiterBackend):
-    def __init__(self) -> None:
-        self.state = LimiterState()
+    def __init__(self, *, max_waiters_per_tenant: int = DEFAULT_MAX_WAITERS) -> None:
+        self.waiting = WaitingState(max_waiters_per_tenant)
+        self.state = self.waiting.state
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, queued: bool
+        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
     ) -> Decision:
-        return self.state.admit(tenant, request_id, limits, reserve_tokens, queued=queued)
+        return await self.waiting.admit(tenant, request_id, limits, reserve_tokens, wait_ms=wait_ms)
 
     async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
-        self.state.release(tenant, request_id, used_tokens)
+        self.waiting.release(tenant, request_id, used_tokens)
 
     async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
-        self.state.renew(tenant, request_id, limits.lease_ttl_ms)
+        self.waiting.renew(tenant, request_id, limits.lease_ttl_ms)
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
-        self.state.leave_queue(tenant, request_id)
+        self.waiting.leave_queue(tenant, request_id)
 
     async def peek(self, tenant: str) -> WindowState:
-        return self.state.peek(tenant)
+        return self.waiting.peek(tenant)

@@ -6,11 +6,17 @@ really used when the request ends), and concurrent requests (leases that expire 
 ingress cannot leak them).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 WINDOW_MS = 60_000
-Reason = Literal["requests", "tokens", "concurrency", "queued", "too_large"]
+# "queued": still behind earlier waiters when the wait ran out; "queue_full": the tenant already has as many
+# waiters as the limiter allows, so this one was refused without waiting.
+Reason = Literal["requests", "tokens", "concurrency", "queued", "queue_full", "too_large"]
+MAX_TOKENS = 10**12  # far above any real request or minute, far below where Lua's doubles lose integers
+MAX_WAIT_MS = 3_600_000  # an hour: longer than any queue tier waits
+DEFAULT_MAX_WAITERS = 64  # waiters per tenant; past them a queued request is refused at once
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class WindowState:
     requests: int  # admitted in the last minute
     tokens: int  # reserved or used in the last minute
     in_flight: int  # live concurrency leases
-    queued: int  # waiters still polling
+    queued: int  # waiters in the queue
     reset_requests_ms: int  # until the request window is empty again
     reset_tokens_ms: int
 
@@ -87,13 +93,16 @@ def format_duration(ms: int) -> str:
 
 
 class LimiterBackend(Protocol):
-    """Shared state for every ingress replica. Each call is atomic; failures raise LimiterUnavailable."""
+    """Shared state for every ingress replica. Each call is atomic; failures raise LimiterUnavailable, bad
+    arguments (a token count that is not a bounded integer) InvalidTokenCount, before anything is written."""
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, queued: bool
+        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
     ) -> Decision:
-        """Admit now or say why not. `queued`: the request waits in the tenant's FIFO queue, and is only
-        admitted when it is the oldest waiter."""
+        """Admit now or say why not. `wait_ms` > 0: join the tenant's FIFO queue and wait there, up to that
+        long, until this request is the oldest waiter and fits; the backend does the waiting (woken when a
+        lease or place is given back, or when the window makes room) and leaves the queue itself when it
+        answers. A tenant with the backend's maximum of waiters already gets `queue_full` at once."""
         ...
 
     async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
@@ -105,7 +114,7 @@ class LimiterBackend(Protocol):
         ...
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
-        """A queued request gave up (timeout or disconnect)."""
+        """A waiting request gave up (its caller was cancelled or the call failed): drop its place."""
         ...
 
     async def peek(self, tenant: str) -> WindowState:
@@ -115,3 +124,23 @@ class LimiterBackend(Protocol):
 
 class LimiterUnavailable(Exception):
     """The shared limiter state cannot be reached; the ingress answers 503 unless configured fail-open."""
+
+
+class InvalidTokenCount(ValueError):
+    """A token count the limiter refuses to store: not an integer, negative, or absurdly large."""
+
+
+def check_tokens(name: str, value: object) -> int:
+    """`value` as a token count, or InvalidTokenCount: the limiter never stores what it cannot add up."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if not (isinstance(value, float) and math.isfinite(value) and value.is_integer()):
+            raise InvalidTokenCount(f"{name} must be an integer token count, got {value!r}")
+        value = int(value)
+    if not 0 <= value <= MAX_TOKENS:
+        raise InvalidTokenCount(f"{name} must be between 0 and {MAX_TOKENS} tokens, got {value}")
+    return value
+
+
+def check_wait(wait_ms: int) -> int:
+    """A waiting budget in whole ms, clamped to [0, MAX_WAIT_MS]."""
+    return min(max(0, int(wait_ms)), MAX_WAIT_MS)

@@ -3,18 +3,21 @@ the Redis backend runs the same steps in a Lua script (redis_backend.py), and on
 holds both to the same behaviour.
 
 Per tenant: a sliding-window log of admitted requests, a sliding window of token reservations (reconciled
-at release), concurrency leases with expiry, and a FIFO queue of waiters that refresh their place by
-polling (a waiter that stops polling drops out).
+at release), concurrency leases with expiry, and a bounded FIFO queue of waiters that refresh their place
+by checking again (a waiter that stops checking drops out; the waiting backends check at least every
+HEARTBEAT_MS).
 """
 
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from app.limits.protocol import WINDOW_MS, Decision, Limits, Reason, WindowState
+from app.limits.protocol import WINDOW_MS, Decision, Limits, Reason, WindowState, check_tokens
 
-QUEUE_STALE_MS = 2_000  # a waiter that has not polled for this long has given up
+QUEUE_STALE_MS = 2_000  # a waiter that has not checked for this long has given up
+HEARTBEAT_MS = QUEUE_STALE_MS // 4  # a waiting backend re-checks at least this often, keeping its place
 CONCURRENCY_RETRY_MS = 250  # nobody knows when a running request ends: poll again soon
+QUEUED_RETRY_MS = 50  # a waiter that is not at the head of the queue
 
 
 @dataclass
@@ -42,28 +45,31 @@ class LimiterState:
         reserve: int,
         *,
         queued: bool,
+        max_waiters: int | None = None,
         now: int | None = None,
     ) -> Decision:
+        """`max_waiters`: a queued request that would be the tenant's waiter number max_waiters + 1 is
+        refused with `queue_full` (and the retry_after of the limit in its way) instead of joining."""
+        reserve = check_tokens("reserve_tokens", reserve)  # before anything changes
         now = self.now_ms() if now is None else now
         t = self._tenants.setdefault(tenant, _Tenant())
         self._expire(t, now)
         if limits.tpm is not None and reserve > limits.tpm:
             return self._decision(t, limits, now, admitted=False, reason="too_large", retry_after=0)
         if queued:
+            if request_id not in t.queue and max_waiters is not None and len(t.queue) >= max_waiters:
+                _, wait = self._blocked(t, limits, reserve, now) or ("queued", QUEUED_RETRY_MS)
+                return self._decision(t, limits, now, admitted=False, reason="queue_full", retry_after=wait)
             t.queue.setdefault(request_id, now)
             t.queue[request_id] = now
             if next(iter(t.queue)) != request_id:  # FIFO: only the oldest waiter may go
-                return self._decision(t, limits, now, admitted=False, reason="queued", retry_after=50)
-        if limits.rpm is not None and len(t.requests) >= limits.rpm:
-            wait = next(iter(t.requests.values())) + WINDOW_MS - now if t.requests else WINDOW_MS
-            return self._decision(t, limits, now, admitted=False, reason="requests", retry_after=wait)
-        if limits.tpm is not None and t.token_total + reserve > limits.tpm:
-            wait = self._token_wait(t, limits.tpm - reserve, now)
-            return self._decision(t, limits, now, admitted=False, reason="tokens", retry_after=wait)
-        if limits.max_concurrent is not None and len(t.leases) >= limits.max_concurrent:
-            return self._decision(
-                t, limits, now, admitted=False, reason="concurrency", retry_after=CONCURRENCY_RETRY_MS
-            )
+                return self._decision(
+                    t, limits, now, admitted=False, reason="queued", retry_after=QUEUED_RETRY_MS
+                )
+        blocked = self._blocked(t, limits, reserve, now)
+        if blocked is not None:
+            reason, wait = blocked
+            return self._decision(t, limits, now, admitted=False, reason=reason, retry_after=wait)
         t.queue.pop(request_id, None)
         t.requests.pop(request_id, None)  # an id admitted again (a retried call) counts once, at its new time
         t.requests[request_id] = now
@@ -75,7 +81,23 @@ class LimiterState:
         t.leases[request_id] = now + limits.lease_ttl_ms
         return self._decision(t, limits, now, admitted=True, reason=None, retry_after=0)
 
+    def _blocked(self, t: _Tenant, limits: Limits, reserve: int, now: int) -> tuple[Reason, int] | None:
+        """The first limit this reservation would break, with when trying again can succeed; None: fits."""
+        if limits.rpm is not None and len(t.requests) >= limits.rpm:
+            return "requests", next(iter(t.requests.values())) + WINDOW_MS - now if t.requests else WINDOW_MS
+        if limits.tpm is not None and t.token_total + reserve > limits.tpm:
+            return "tokens", self._token_wait(t, limits.tpm - reserve, now)
+        if limits.max_concurrent is not None and len(t.leases) >= limits.max_concurrent:
+            return "concurrency", CONCURRENCY_RETRY_MS
+        return None
+
+    def queue_order(self, tenant: str) -> list[str]:
+        """The tenant's waiters, oldest first (the head is the one that may go next)."""
+        t = self._tenants.get(tenant)
+        return [] if t is None else list(t.queue)
+
     def release(self, tenant: str, request_id: str, used: int) -> None:
+        used = check_tokens("used_tokens", used)
         t = self._tenants.get(tenant)
         if t is None:
             return

@@ -3,16 +3,23 @@
 FastAPI parses the body before it solves dependencies, so with auth as a plain dependency a caller
 without credentials would be told about malformed JSON or schema problems (400) instead of getting 401.
 These routes check credentials first and leave the result on `request.state` for the dependencies.
+A tenant request refused for its own input still counts against the tenant's requests per minute.
 """
 
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from app import log_context
 from app.admin_auth import check_admin_key
+from app.admission import Admission
+from app.errors import APIError
+from app.middleware import request_id_of
+
+REFUSED_FOR_INPUT = {400, 404, 422}  # the request itself was wrong: it still counts against RPM
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -27,7 +34,18 @@ class TenantRoute(APIRoute):
             request.state.principal = principal
             # Not reset here: a streamed body is sent after this returns. The middleware's reset ends it.
             log_context.bind(tenant=principal.tenant_id)
-            return await handler(request)
+            try:
+                return await handler(request)
+            except (RequestValidationError, APIError) as error:
+                if isinstance(error, RequestValidationError) or error.status in REFUSED_FOR_INPUT:
+                    services = request.app.state.services
+                    await Admission.count_refused(
+                        services.limiter,
+                        tenant=principal.tenant_id,
+                        request_id=f"{request_id_of(request.scope['state'])}.refused",
+                        limits=principal.limits,
+                    )
+                raise
 
         return authenticated
 

@@ -1,17 +1,19 @@
 """GET /v1/limits: the calling tenant's rate limits and its headroom in the current window.
 
 Headroom is read with the limiter backend's `peek`, which admits, reserves and renews nothing: reading it
-as often as you like never costs a request or a token. The response carries the same x-ratelimit-*
-headers an admitted request gets, so clients can read either.
+as often as you like never costs a request or a token. Reads go through a PeekCache, so the figures may be
+up to a second old and a loop of reads cannot load the limiter every admission needs. The response
+carries the same x-ratelimit-* headers an admitted request gets, so clients can read either.
 """
 
 from typing import Literal
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
 from app.deps import ServicesDep, TenantDep
 from app.limits import WINDOW_MS, Decision, Limits, WindowState
+from app.limits.peek_cache import PeekCache
 from app.routes.guarded import TenantRoute
 
 router = APIRouter(prefix="/v1", tags=["limits"], route_class=TenantRoute)
@@ -84,15 +86,20 @@ def _headers(state: WindowState, limits: Limits) -> dict[str, str]:
 
 
 @router.get("/limits")
-async def rate_limits(principal: TenantDep, services: ServicesDep, response: Response) -> RateLimitsOut:
-    """The calling tenant's limits and current headroom; reading them consumes nothing."""
+async def rate_limits(
+    principal: TenantDep, services: ServicesDep, request: Request, response: Response
+) -> RateLimitsOut:
+    """The calling tenant's limits and current headroom (at most a second old); reading them consumes
+    nothing."""
     limits = principal.limits
     headroom = None
     if not limits.unlimited:
+        state = request.app.state
+        state.limits_peeks = peeks = PeekCache.reuse(getattr(state, "limits_peeks", None), services.limiter)
         # LimiterUnavailable becomes a 503: unlike admission, fail-open has nothing to let through here.
-        state = await services.limiter.peek(principal.tenant_id)
-        headroom = _headroom(state, limits)
-        response.headers.update(_headers(state, limits))
+        window = await peeks.peek(principal.tenant_id)
+        headroom = _headroom(window, limits)
+        response.headers.update(_headers(window, limits))
     return RateLimitsOut(
         tier=principal.tier,
         window_ms=WINDOW_MS,

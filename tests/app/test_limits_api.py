@@ -109,13 +109,13 @@ def test_running_requests_are_in_flight(served: Served) -> None:
     limiter, limits = served.services.limiter, Limits(max_concurrent=3)
     holders = [f"other-replica-{n}" for n in range(2)]
     for holder in holders:
-        assert asyncio.run(limiter.admit(tenant_id, holder, limits, 0, queued=False)).admitted
+        assert asyncio.run(limiter.admit(tenant_id, holder, limits, 0)).admitted
     room = headroom(served, key)
     assert (room["in_flight"], room["remaining_concurrent"]) == (2, 1)
     assert room["remaining_requests"] is None and room["remaining_tokens"] is None
     for holder in holders:
         asyncio.run(limiter.release(tenant_id, holder, 0))
-    assert headroom(served, key)["in_flight"] == 0
+    wait_for(lambda: headroom(served, key)["in_flight"] == 0)  # reads are up to a second old
     assert complete(served, key).status_code == 200
     wait_for(lambda: headroom(served, key)["in_flight"] == 0)  # the request's own lease is freed too
 
@@ -161,3 +161,35 @@ def test_limits_are_in_the_openapi_schema(served: Served) -> None:
     paths = httpx.get(f"{served.url}/openapi.json").json()["paths"]
     assert "get" in paths["/v1/limits"]
     assert not any(path.startswith("/usage") for path in paths)  # the page is not part of the API
+
+
+class CountingPeeks:
+    """The app's limiter, counting the peeks that reach it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.peeks = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def peek(self, tenant: str) -> WindowState:
+        self.peeks += 1
+        state: WindowState = await self.inner.peek(tenant)
+        return state
+
+
+def test_reads_in_a_loop_reach_the_limiter_once_a_second(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/v1/limits (any tenant, as often as it likes) and the unauthenticated /readyz share the limiter that
+    every admission needs: their peeks are cached for a second (issue 14)."""
+    _, key = new_key(served, rpm=5)
+    counting = CountingPeeks(served.services.limiter)
+    monkeypatch.setattr(served.services, "limiter", counting)
+    started = time.monotonic()
+    for _ in range(25):
+        assert headroom(served, key)["remaining_requests"] == 5
+        assert httpx.get(f"{served.url}/readyz", timeout=10).status_code == 200
+    seconds = time.monotonic() - started
+    assert counting.peeks <= 2 * (int(seconds) + 1), (counting.peeks, seconds)  # one per second per tenant

@@ -104,7 +104,7 @@ def wait_for(condition, timeout: float = 5.0) -> None:
 def hold(served: Served, tenant_id: str, limits: Limits) -> str:
     """A lease taken as another ingress replica's running request would take it."""
     holder = f"other-replica-{uuid.uuid4().hex[:6]}"
-    decision = asyncio.run(served.services.limiter.admit(tenant_id, holder, limits, 1, queued=False))
+    decision = asyncio.run(served.services.limiter.admit(tenant_id, holder, limits, 1))
     assert decision.admitted
     return holder
 
@@ -168,6 +168,31 @@ def test_queue_tier_waits_in_arrival_order_then_gives_up(served: Served) -> None
     waited = time.monotonic() - start
     assert timed_out.status_code == 429 and "waiting" in timed_out.json()["error"]["message"]
     assert 0.25 < waited < 3
+
+
+def test_a_full_queue_refuses_at_once(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the tenant's waiter cap a queue tier answers 429 without waiting (issue 14)."""
+    limits = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=8000)
+    tier = make_tier(served, max_concurrent=1, on_limit="queue", max_queue_ms=8000)
+    tenant_id, key = served.new_tenant(f"qf-{uuid.uuid4().hex[:8]}", tier=tier)
+    monkeypatch.setattr(served.services.limiter.waiting, "max_waiters", 1)  # type: ignore[attr-defined]
+    holder = hold(served, tenant_id, limits)
+    waiting = threading.Thread(target=lambda: complete(served, key, max_tokens=1))
+    waiting.start()
+    try:
+        deadline = time.monotonic() + 10
+        while asyncio.run(served.services.limiter.peek(tenant_id)).queued != 1:
+            assert time.monotonic() < deadline, "the first waiter never queued"
+            time.sleep(0.02)
+        start = time.monotonic()
+        refused = complete(served, key)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert time.monotonic() - start < 4  # not after its 8 s in the queue
+        assert "waiting" not in refused.json()["error"]["message"]
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
+    finally:
+        asyncio.run(served.services.limiter.release(tenant_id, holder, 1))
+        waiting.join(30)
 
 
 def test_max_tokens_cap(served: Served) -> None:

@@ -31,14 +31,14 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(served: Served, tenant: 
     tenant_id, key = tenant
     limit = served.services.settings.max_body_kb * 1024
     big = b'{"model": "tiny-llama", "prompt": "' + b"a" * limit + b'"}'
-    error = assert_error(post(served, key, "/v1/completions", content=big), 413, code="request_too_large")
+    error = assert_error(post(served, key, "/v1/completions", content=big), 413, code="request_body_too_large")
     assert "larger" in error["message"]
 
     def chunks() -> Iterator[bytes]:  # no content-length: counted as it arrives
         for start in range(0, len(big), 65536):
             yield big[start : start + 65536]
 
-    assert_error(post(served, key, "/v1/completions", content=chunks()), 413, code="request_too_large")
+    assert_error(post(served, key, "/v1/completions", content=chunks()), 413, code="request_body_too_large")
     assert usage_rows(served, tenant_id) == []
 
 
@@ -121,3 +121,19 @@ def test_numbers_no_model_can_serve_are_refused_by_name_before_admission(
     assert error["param"] == param or param in error["message"], error
     assert "x-ratelimit-remaining-tokens" not in r.headers or r.headers["x-ratelimit-remaining-tokens"] != "0"
     assert usage_rows(served, tenant_id) == []
+
+
+def test_refused_requests_still_count_against_requests_per_minute(served: Served) -> None:
+    tenant_id, key = served.new_tenant(f"bounds-rpm-{uuid.uuid4().hex[:8]}", tier="enterprise")
+    with served.admin() as admin:
+        assert admin.patch(f"/admin/tenants/{tenant_id}", json={"rpm": 3}).status_code == 200
+    bad = [
+        {"model": MODEL, "prompt": "hi", "no_such_field": 1},  # schema
+        {"model": MODEL, "prompt": [5] * CONTEXT},  # context
+        {"model": "no-such-model", "prompt": "hi"},  # unknown model
+    ]
+    for body in bad:
+        assert post(served, key, "/v1/completions", json=body).status_code in (400, 404)
+    r = post(served, key, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert_error(r, 429, code="rate_limit_exceeded")
+    assert "requests per minute" in r.json()["error"]["message"]

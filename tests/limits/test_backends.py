@@ -13,9 +13,19 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from app.limits import WINDOW_MS, Decision, LimiterBackend, LimiterUnavailable, Limits
+from app.limits import (
+    MAX_TOKENS,
+    WINDOW_MS,
+    Decision,
+    InvalidTokenCount,
+    LimiterBackend,
+    LimiterUnavailable,
+    Limits,
+    WindowState,
+)
+from app.limits.protocol import DEFAULT_MAX_WAITERS
 from app.limits.redis_backend import RedisLimiter
-from app.limits.state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS
+from app.limits.state import CONCURRENCY_RETRY_MS
 
 TENANT = "acme"
 
@@ -31,9 +41,18 @@ async def admit(
     *,
     request_id: str | None = None,
     tenant: str = TENANT,
-    queued: bool = False,
+    wait_ms: int = 0,
 ) -> Decision:
-    return await backend.admit(tenant, request_id or rid(), limits, reserve, queued=queued)
+    return await backend.admit(tenant, request_id or rid(), limits, reserve, wait_ms=wait_ms)
+
+
+async def queued_count(backend: LimiterBackend, n: int, tenant: str = TENANT) -> None:
+    """Until the tenant has n waiters (waiting admits run as tasks)."""
+    for _ in range(500):
+        if (await backend.peek(tenant)).queued == n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never {n} waiters: {await backend.peek(tenant)}")
 
 
 # --- requests per minute ----------------------------------------------------------------------------
@@ -180,66 +199,100 @@ async def test_queued_waiters_are_admitted_in_arrival_order(backend: LimiterBack
     holder = rid()
     assert (await admit(backend, limits, request_id=holder)).admitted
     waiters = [rid() for _ in range(5)]
-    arrivals = [await admit(backend, limits, request_id=w, queued=True) for w in waiters]
-    # The head waits for a slot; everyone behind it waits for the head.
-    assert [d.reason for d in arrivals] == ["concurrency"] + ["queued"] * 4
-    assert [d.retry_after_ms for d in arrivals[1:]] == [50] * 4
     order: list[str] = []
 
-    async def wait_turn(request_id: str) -> None:  # the ingress's polling loop, sped up
-        while True:
-            decision = await admit(backend, limits, request_id=request_id, queued=True)
-            if decision.admitted:
-                order.append(request_id)
-                await asyncio.sleep(0.02)
-                await backend.release(TENANT, request_id, 0)
-                return
-            assert decision.reason in ("queued", "concurrency")
-            await asyncio.sleep(0.01)
+    async def wait_turn(request_id: str) -> None:  # the backend waits; the caller makes one call
+        decision = await admit(backend, limits, request_id=request_id, wait_ms=10_000)
+        assert decision.admitted, decision
+        order.append(request_id)
+        await asyncio.sleep(0.02)
+        await backend.release(TENANT, request_id, 0)
 
-    # Started newest first, so later arrivals poll first: only the queue can put them back in order.
-    tasks = [asyncio.create_task(wait_turn(w)) for w in reversed(waiters)]
+    tasks = []
+    for n, waiter in enumerate(waiters, 1):
+        tasks.append(asyncio.create_task(wait_turn(waiter)))
+        await queued_count(backend, n)  # arrival order is the order they joined
     await asyncio.sleep(0.05)
     assert order == []
     await backend.release(TENANT, holder, 0)
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert order == waiters
+    assert (await backend.peek(TENANT)).queued == 0
 
 
-async def test_waiter_that_stops_polling_drops_out(backend: LimiterBackend) -> None:
-    limits = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=10_000)
-    holder, gone, patient = rid(), rid(), rid()
+async def test_a_release_wakes_the_head_long_before_its_wait_ends(backend: LimiterBackend) -> None:
+    limits = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=30_000)
+    holder = rid()
     assert (await admit(backend, limits, request_id=holder)).admitted
-    assert (await admit(backend, limits, request_id=gone, queued=True)).reason == "concurrency"
-    last_poll = time.monotonic()
-    assert (await admit(backend, limits, request_id=patient, queued=True)).reason == "queued"
+    waiter = asyncio.create_task(admit(backend, limits, wait_ms=30_000))
+    await queued_count(backend, 1)
     await backend.release(TENANT, holder, 0)
-    while not (decision := await admit(backend, limits, request_id=patient, queued=True)).admitted:
-        assert decision.reason == "queued"  # the silent head still blocks
-        assert time.monotonic() - last_poll < QUEUE_STALE_MS / 1000 + 1, "stale waiter never dropped"
-        await asyncio.sleep(0.05)
-    assert time.monotonic() - last_poll >= QUEUE_STALE_MS / 1000 - 0.1
+    decision = await asyncio.wait_for(waiter, 10)
+    assert decision.admitted and (await backend.peek(TENANT)).queued == 0
 
 
-async def test_leave_queue_removes_the_waiter_at_once(backend: LimiterBackend) -> None:
+async def test_a_lapsed_lease_lets_the_waiter_in(backend: LimiterBackend) -> None:
+    """Nobody releases (the holder's ingress crashed): the waiter's own re-checks notice the expiry."""
+    limits = Limits(max_concurrent=1, lease_ttl_ms=300, on_limit="queue", max_queue_ms=5_000)
+    assert (await admit(backend, limits)).admitted
+    started = time.monotonic()
+    decision = await admit(backend, limits, wait_ms=5_000)
+    assert decision.admitted and time.monotonic() - started < 4
+
+
+async def test_a_waiter_that_runs_out_of_time_leaves_the_queue(backend: LimiterBackend) -> None:
+    limits = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=300)
+    assert (await admit(backend, limits)).admitted
+    started = time.monotonic()
+    decision = await admit(backend, limits, wait_ms=300)
+    assert decision.reason == "concurrency" and decision.retry_after_ms > 0
+    assert time.monotonic() - started >= 0.25
+    assert (await backend.peek(TENANT)).queued == 0  # at once, not when its place would go stale
+
+
+async def test_leave_queue_ends_the_wait_at_once(backend: LimiterBackend) -> None:
     limits = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=10_000)
     holder, first, second = rid(), rid(), rid()
     assert (await admit(backend, limits, request_id=holder)).admitted
-    await admit(backend, limits, request_id=first, queued=True)
-    assert (await admit(backend, limits, request_id=second, queued=True)).reason == "queued"
-    await backend.leave_queue(TENANT, first)
-    # Now at the head: waiting for the slot, no longer for `first`.
-    assert (await admit(backend, limits, request_id=second, queued=True)).reason == "concurrency"
+    first_wait = asyncio.create_task(admit(backend, limits, request_id=first, wait_ms=10_000))
+    await queued_count(backend, 1)
+    second_wait = asyncio.create_task(admit(backend, limits, request_id=second, wait_ms=10_000))
+    await queued_count(backend, 2)
+    await backend.leave_queue(TENANT, first)  # its caller gave up
+    assert not (await asyncio.wait_for(first_wait, 5)).admitted
     await backend.release(TENANT, holder, 0)
-    assert (await admit(backend, limits, request_id=second, queued=True)).admitted
+    assert (await asyncio.wait_for(second_wait, 5)).admitted  # never behind the one that left
+    assert (await backend.peek(TENANT)).queued == 0
 
 
 async def test_too_large_request_never_joins_the_queue(backend: LimiterBackend) -> None:
     limits = Limits(tpm=100, max_concurrent=1, on_limit="queue", max_queue_ms=10_000)
-    holder, waiter = rid(), rid()
+    holder = rid()
     assert (await admit(backend, limits, request_id=holder)).admitted
-    assert (await admit(backend, limits, 101, queued=True)).reason == "too_large"
-    assert (await admit(backend, limits, request_id=waiter, queued=True)).reason == "concurrency"
+    assert (await admit(backend, limits, 101, wait_ms=10_000)).reason == "too_large"
+    assert (await backend.peek(TENANT)).queued == 0
+
+
+async def test_waiters_past_the_cap_are_refused_at_once(backend: LimiterBackend) -> None:
+    """One tenant's flood: DEFAULT_MAX_WAITERS wait, the rest get queue_full without waiting, and another
+    tenant is admitted all along."""
+    limits = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=20_000)
+    holder = rid()
+    assert (await admit(backend, limits, request_id=holder)).admitted
+    waiting = [
+        asyncio.create_task(admit(backend, limits, wait_ms=20_000)) for _ in range(DEFAULT_MAX_WAITERS)
+    ]
+    await queued_count(backend, DEFAULT_MAX_WAITERS)
+    started = time.monotonic()
+    refused = await asyncio.gather(*(admit(backend, limits, wait_ms=20_000) for _ in range(100)))
+    assert time.monotonic() - started < 10  # none of them waited its 20 s
+    assert {d.reason for d in refused} == {"queue_full"}
+    assert all(d.retry_after_ms == CONCURRENCY_RETRY_MS for d in refused)  # the limit in the way
+    other = await asyncio.gather(*(admit(backend, limits, tenant="other") for _ in range(1)))
+    assert other[0].admitted
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
 
 
 # --- check order, unlimited, tenants, no-ops ---------------------------------------------------------
@@ -305,7 +358,7 @@ async def test_redis_unreachable_raises_limiter_unavailable_fast() -> None:
     limits = Limits(rpm=1)
     try:
         calls = [
-            limiter.admit(TENANT, "a", limits, 1, queued=False),
+            limiter.admit(TENANT, "a", limits, 1),
             limiter.release(TENANT, "a", 1),
             limiter.renew(TENANT, "a", limits),
             limiter.leave_queue(TENANT, "a"),
@@ -333,7 +386,7 @@ async def test_redis_that_never_answers_raises_limiter_unavailable_in_time() -> 
     try:
         started = time.monotonic()
         with pytest.raises(LimiterUnavailable):
-            await limiter.admit(TENANT, "a", Limits(rpm=1), 1, queued=False)
+            await limiter.admit(TENANT, "a", Limits(rpm=1), 1)
         assert time.monotonic() - started < 1.0
     finally:
         await limiter.aclose()
@@ -366,7 +419,8 @@ async def test_redis_keys_share_a_slot_and_expire(redis_url: str, redis_limiter:
     limits = Limits(rpm=10, tpm=1000, max_concurrent=1, lease_ttl_ms=5_000)
     holder = rid()
     assert (await admit(redis_limiter, limits, 100, request_id=holder)).admitted
-    assert (await admit(redis_limiter, limits, 100, queued=True)).reason == "concurrency"
+    waiter = asyncio.create_task(admit(redis_limiter, limits, 100, wait_ms=5_000))
+    await queued_count(redis_limiter, 1)
     keys = redis_limiter.keys(TENANT)
     assert len({key_slot(key.encode()) for key in keys}) == 1  # one cluster slot: one script may touch all
     client = redis.Redis.from_url(redis_url)
@@ -381,6 +435,7 @@ async def test_redis_keys_share_a_slot_and_expire(redis_url: str, redis_limiter:
         assert all(client.pttl(key) > 600_000 for key in keys)
     finally:
         client.close()
+        waiter.cancel()
 
 
 async def test_redis_readmitted_id_replaces_its_reservation(redis_limiter: RedisLimiter) -> None:
@@ -402,3 +457,69 @@ async def test_redis_reloads_scripts_after_a_flush(redis_url: str, redis_limiter
     finally:
         client.close()
     assert (await admit(redis_limiter, limits)).remaining_requests == 0
+
+
+# --- bad token counts (issue 14: max_tokens=1e20 reached Redis, broke INCRBY after the script had written) --
+
+
+@pytest.mark.parametrize("bad", [10**20, MAX_TOKENS + 1, -5, float("inf"), float("nan"), 0.5])
+async def test_absurd_token_counts_are_refused_and_change_nothing(
+    backend: LimiterBackend, bad: float
+) -> None:
+    limits = Limits(rpm=10)  # no tpm: no limit would have stopped the reservation
+    with pytest.raises(InvalidTokenCount):
+        await admit(backend, limits, bad, request_id="huge")  # type: ignore[arg-type]
+    assert await backend.peek(TENANT) == WindowState(0, 0, 0, 0, 0, 0)
+    held = rid()
+    assert (await admit(backend, limits, 100, request_id=held)).remaining_requests == 9
+    with pytest.raises(InvalidTokenCount):
+        await backend.release(TENANT, held, bad)  # type: ignore[arg-type]
+    state = await backend.peek(TENANT)
+    assert (state.requests, state.tokens, state.in_flight) == (1, 100, 1)
+    await backend.release(TENANT, held, 7)
+    later = await admit(backend, limits, 5)
+    assert later.admitted and later.remaining_requests == 8
+    assert (await backend.peek(TENANT)).tokens == 12
+
+
+async def test_redis_scripts_refuse_bad_arguments_before_writing(
+    redis_url: str, redis_limiter: RedisLimiter
+) -> None:
+    """Past the Python checks (an older ingress, a hand-made call), each script still validates first:
+    Redis does not roll back a script that fails halfway, so a late INCRBY error used to leave a counted
+    request and a `1e+20` reservation behind, and every later expiry pass of the tenant failed."""
+    keys = redis_limiter.keys(TENANT)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        # rpm, tpm, concurrency unlimited; reserve 1e+20 (as Python's str(1e20) sent it).
+        admit_args: list[str | int] = [
+            "huge",
+            -1,
+            -1,
+            -1,
+            120_000,
+            "1e+20",
+            0,
+            WINDOW_MS,
+            2_000,
+            250,
+            50,
+            64,
+            "ch",
+            TENANT,
+        ]
+        with pytest.raises(redis.ResponseError, match="not an integer"):
+            await redis_limiter._admit(keys=keys, args=admit_args)
+        assert client.exists(*keys) == 0  # nothing written
+        held = rid()
+        assert (await admit(redis_limiter, Limits(rpm=10), 100, request_id=held)).remaining_requests == 9
+        before = {key: client.dump(key) for key in keys}
+        for used in ("1e+20", "nan", "-1", "2.5"):
+            with pytest.raises(redis.ResponseError, match="not an integer"):
+                await redis_limiter._release(keys=keys, args=[held, used, "ch", TENANT])
+        assert {key: client.dump(key) for key in keys} == before
+        await redis_limiter.release(TENANT, held, 10)
+        assert (await redis_limiter.peek(TENANT)).tokens == 10
+        assert (await admit(redis_limiter, Limits(rpm=10), 1)).remaining_requests == 8
+    finally:
+        client.close()

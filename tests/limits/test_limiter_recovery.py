@@ -47,7 +47,7 @@ async def test_a_failed_release_is_retried_until_the_lease_is_gone() -> None:
 async def test_redis_connections_killed_by_an_outage_are_replaced(redis_limiter: RedisLimiter) -> None:
     async def admit_many(prefix: str, n: int = 25) -> list[bool]:
         results = await asyncio.gather(
-            *(redis_limiter.admit("t", f"{prefix}{i}", Limits(rpm=1000), 1, queued=False) for i in range(n)),
+            *(redis_limiter.admit("t", f"{prefix}{i}", Limits(rpm=1000), 1) for i in range(n)),
             return_exceptions=True,
         )
         return [not isinstance(r, BaseException) and r.admitted for r in results]

@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 import pytest
 
-from app.limits import WINDOW_MS, Decision, Limits, format_duration
+from app.limits import WINDOW_MS, Decision, InvalidTokenCount, Limits, format_duration
 from app.limits.state import CONCURRENCY_RETRY_MS, QUEUE_STALE_MS, LimiterState, _Tenant
 
 T = "acme"
@@ -164,3 +164,34 @@ def test_headers_only_for_the_limits_that_are_set() -> None:
         "x-ratelimit-reset-tokens": "1m30.5s",
     }
     assert Decision(True, None, 0, None, None, 0, None, None, 0).headers() == {}
+
+
+def test_waiters_past_the_cap_get_queue_full_and_leave_no_trace() -> None:
+    state, limits = LimiterState(), Limits(rpm=1, on_limit="queue")
+    assert admit(state, "first", limits, 0).admitted
+
+    def wait(request_id: str, now: int) -> Decision:
+        return state.admit(T, request_id, limits, 0, queued=True, max_waiters=2, now=now)
+
+    assert wait("w1", 10).reason == "requests"
+    assert wait("w2", 20).reason == "queued"
+    full = wait("w3", 30)
+    assert full.reason == "queue_full" and full.retry_after_ms == WINDOW_MS - 30  # the limit in the way
+    assert state.queue_order(T) == ["w1", "w2"]
+    assert wait("w2", 40).reason == "queued"  # one already waiting keeps its place
+    state.leave_queue(T, "w1")
+    assert wait("w3", 50).reason == "queued"  # a place came free
+
+
+@pytest.mark.parametrize("bad", [10**20, -1, float("inf"), float("nan"), 1.5, True, "5", None])
+def test_token_counts_are_checked_before_anything_changes(bad: object) -> None:
+    state, limits = LimiterState(), Limits(rpm=5)
+    with pytest.raises(InvalidTokenCount):
+        state.admit(T, "bad", limits, bad, queued=False, now=0)  # type: ignore[arg-type]
+    assert T not in state._tenants  # not even an empty entry
+    assert admit(state, "held", limits, 0, reserve=100).admitted
+    with pytest.raises(InvalidTokenCount):
+        state.release(T, "held", bad)  # type: ignore[arg-type]
+    peeked = state.peek(T, now=1)
+    assert (peeked.requests, peeked.tokens, peeked.in_flight) == (1, 100, 1)
+    assert admit(state, "whole-float", limits, 2, reserve=100.0).admitted  # type: ignore[arg-type]

@@ -1,0 +1,108 @@
+"""Admission against each backend when a tenant floods a queue tier (issue 14): the backend does the waiting
+(one admit call per request, no polling loop), at most DEFAULT_MAX_WAITERS of one tenant wait while the
+rest are refused at once, and another tenant is admitted all along, never told the limiter is away."""
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from app.admission import Admission
+from app.errors import RateLimited
+from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits, WindowState
+from app.limits.local_backend import LocalLimiter
+from app.limits.protocol import DEFAULT_MAX_WAITERS
+
+QUEUE = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=2_500)
+ORDINARY = Limits(rpm=100_000, max_concurrent=1_000)
+FLOOD = 400
+
+
+class Recording:
+    """A backend that counts its admit calls and notes every answer's reason."""
+
+    def __init__(self, backend: LimiterBackend) -> None:
+        self.backend = backend
+        self.admits = 0
+        self.reasons: Counter[str | None] = Counter()
+
+    async def admit(
+        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
+    ) -> Decision:
+        self.admits += 1
+        decision = await self.backend.admit(tenant, request_id, limits, reserve_tokens, wait_ms=wait_ms)
+        self.reasons[decision.reason] += 1
+        return decision
+
+    async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
+        await self.backend.release(tenant, request_id, used_tokens)
+
+    async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
+        await self.backend.renew(tenant, request_id, limits)
+
+    async def leave_queue(self, tenant: str, request_id: str) -> None:
+        await self.backend.leave_queue(tenant, request_id)
+
+    async def peek(self, tenant: str) -> WindowState:
+        return await self.backend.peek(tenant)
+
+
+async def acquire(backend: LimiterBackend, tenant: str, limits: Limits) -> Admission:
+    return await Admission.acquire(
+        backend, tenant=tenant, tier="t", request_id=f"r-{uuid.uuid4().hex}", limits=limits, reserve=1,
+        fail_open=False,
+    )  # fmt: skip
+
+
+async def test_a_queued_request_is_one_admit_call() -> None:
+    backend = Recording(LocalLimiter())
+    holder = await acquire(backend, "a", QUEUE)
+    waiter = asyncio.create_task(acquire(backend, "a", QUEUE))
+    await asyncio.sleep(0.6)  # the old caller polled every 25 ms: some 24 calls by now
+    await holder.release(1)
+    admitted = await asyncio.wait_for(waiter, 5)
+    assert admitted.decision is not None and admitted.decision.admitted
+    assert backend.admits == 2  # the holder's, and the waiter's one call
+    started = time.monotonic()
+    with pytest.raises(RateLimited):  # nobody releases: out of time after max_queue_ms, still one call
+        await acquire(backend, "a", QUEUE)
+    assert time.monotonic() - started >= QUEUE.max_queue_ms / 1000 - 0.1
+    assert backend.admits == 3
+
+
+async def test_a_flooding_tenant_cannot_crowd_out_another(backend: LimiterBackend) -> None:
+    recording = Recording(backend)
+    await acquire(recording, "flood", QUEUE)  # holds the flooding tenant's one slot for good
+
+    async def flood() -> list[BaseException | Admission]:
+        return await asyncio.gather(*(acquire(recording, "flood", QUEUE) for _ in range(FLOOD)),
+                                    return_exceptions=True)  # fmt: skip
+
+    async def ordinary() -> list[Admission]:
+        admitted = []
+        for _ in range(40):
+            admission = await acquire(recording, "quiet", ORDINARY)
+            await admission.release(1)
+            admitted.append(admission)
+            await asyncio.sleep(0.01)
+        return admitted
+
+    flooded, quiet = await asyncio.gather(flood(), ordinary())
+    assert all(a.decision is not None and a.decision.admitted for a in quiet)  # no 503, no 429
+    assert all(isinstance(outcome, RateLimited) for outcome in flooded), Counter(map(type, flooded))
+    # Past the cap the flood is refused at once; the waiters run out of time behind the held slot.
+    assert recording.reasons["queue_full"] == FLOOD - DEFAULT_MAX_WAITERS
+    assert recording.reasons["concurrency"] + recording.reasons["queued"] == DEFAULT_MAX_WAITERS
+    assert recording.admits == 1 + FLOOD + 40  # one call per request: nobody polled
+    assert (await backend.peek("flood")).queued == 0
+
+
+async def test_an_unreachable_limiter_is_still_a_503_for_waiters() -> None:
+    class Down(LocalLimiter):
+        async def admit(self, *args: object, **kwargs: object) -> Decision:
+            raise LimiterUnavailable("connection refused")
+
+    with pytest.raises(LimiterUnavailable):
+        await acquire(Down(), "a", QUEUE)
