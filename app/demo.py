@@ -11,6 +11,7 @@ from adapters.store import AdapterStore
 from app.adapter_ingest import AdapterIngest
 from app.auth import generate_key
 from app.catalog import BaseModelSpec, ModelCatalog
+from app.dependency_noise import import_quietly
 from app.modelprep.demo_model import Arch, ensure_model
 from app.settings import Settings
 from billing import adapter_registry, repository
@@ -21,6 +22,7 @@ from billing.models import PUBLIC_OWNER
 from deployments.engine.interface import EngineConfig
 
 DEMO_TENANT = "demo"
+DEMO_KEY_NAME = "demo"  # `up` revokes the keys of this name it minted before: one live demo key at a time
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ def ensure_demo_model(name: str, model_dir: Path) -> Path:
 
 
 def prepare(settings: Settings, config_path: Path) -> DemoSetup:
-    """Idempotent: migrate, build what is missing, and mint a fresh demo key (keys are shown only once)."""
+    """Idempotent: migrate, build what is missing, and mint a fresh demo key (keys are shown only once),
+    revoking the demo keys earlier runs printed."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url()
     upgrade(url)
@@ -70,8 +73,11 @@ def prepare(settings: Settings, config_path: Path) -> DemoSetup:
             tenant = repository.create_tenant(session, name=DEMO_TENANT)
         except TenantNameTaken:
             tenant = next(t for t in repository.list_tenants(session) if t.name == DEMO_TENANT)
+        for old in repository.list_api_keys(session, tenant_id=tenant.id):
+            if old.name == DEMO_KEY_NAME and old.revoked_at is None:
+                repository.revoke_api_key(session, key_id=old.id)
         repository.create_api_key(
-            session, tenant_id=tenant.id, prefix=key.prefix, key_hash=key.hash, name="demo"
+            session, tenant_id=tenant.id, prefix=key.prefix, key_hash=key.hash, name=DEMO_KEY_NAME
         )
         tenant_id = tenant.id
     return DemoSetup(
@@ -93,6 +99,7 @@ def _ensure_demo_adapters(
         with sessions() as session:
             exists = adapter_registry.find_live(session, owner=PUBLIC_OWNER, name=name) is not None
         if not exists:
+            import_quietly("gptqmodel")  # PEFT imports it when installed; it prints a banner
             path = build_from_recipe(demo, base.model_dir, settings.data_dir / "demo-adapters" / name)
             ingest.register_dir(name, PUBLIC_OWNER, base, path)
         names.append(f"public/{name}")

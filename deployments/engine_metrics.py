@@ -8,9 +8,13 @@ Serve replica Serve adds the deployment and replica tags; base_model names the m
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from app.metrics import Counter, Gauge
-from deployments.engine.interface import AsyncEngine, EngineStats
+from deployments.engine.interface import EngineStats
+
+if TYPE_CHECKING:  # the engine's model stack is imported by the replica that runs it, not by this module
+    from deployments.engine.interface import AsyncEngine
 
 log = logging.getLogger(__name__)
 TAGS = ("base_model",)
@@ -44,7 +48,7 @@ BUSY_SECONDS = Counter("loraplex_engine_busy_seconds", "Device time spent in eng
 
 
 class EngineMetrics:
-    def __init__(self, engine: AsyncEngine, *, base_model: str, interval_s: float = 5.0) -> None:
+    def __init__(self, engine: "AsyncEngine", *, base_model: str, interval_s: float = 5.0) -> None:
         self._engine = engine
         self._tags = {"base_model": base_model}
         self._interval = interval_s

@@ -10,12 +10,12 @@ from datetime import timedelta
 from typing import Any
 
 from app import log_context
+from app.dependency_noise import quiet_dependencies
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
 from billing.routing_report import live_replicas
 from deployments.abort_request import AbortRequest
 from deployments.engine.interface import (
-    AsyncEngine,
     EngineConfig,
     EngineRequest,
     EngineStats,
@@ -53,7 +53,12 @@ class EngineReplica:
         metrics_interval_s: float = 5.0,
     ) -> None:
         log_context.route_to_serve()
+        quiet_dependencies()  # before this replica imports the ML stack
         self.config = EngineConfig(**engine_config)
+        # Imported here, after quiet_dependencies: the model stack is this replica's, not its module's (the
+        # application builder imports this module too, and needs none of it).
+        from deployments.engine.interface import AsyncEngine
+
         self.engine = AsyncEngine(self.config, replica_name=_replica_name(self.config.name))
         self.metrics = EngineMetrics(self.engine, base_model=self.config.name, interval_s=metrics_interval_s)
         self.metrics.start()

@@ -5,11 +5,14 @@ utilisation can be shown and set against the GPU time billed to requests; and it
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
 from billing.models import EngineReport, utcnow
-from deployments.engine.interface import AsyncEngine
+
+if TYPE_CHECKING:  # the engine's model stack is imported by the replica that runs it, not by this module
+    from deployments.engine.interface import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +20,7 @@ log = logging.getLogger(__name__)
 class EngineReporter:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: "AsyncEngine",
         *,
         replica: str,
         base_model: str,

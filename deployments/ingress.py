@@ -14,6 +14,7 @@ from ray.serve.handle import DeploymentHandle
 from app import log_context
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
+from app.dependency_noise import quiet_dependencies
 from app.limits.factory import LimiterConfig, make_limiter
 from app.main import create_app
 from app.settings import Settings
@@ -31,6 +32,7 @@ class Ingress:
         metering: DeploymentHandle[Any] | None = None,
     ) -> None:
         log_context.route_to_serve()
+        quiet_dependencies()  # before this replica imports the ML stack
         self.settings = Settings()
         specs = {
             name: BaseModelSpec(

@@ -15,6 +15,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from app import log_context
+from app.dependency_noise import quiet_dependencies
 from app.metering.database_sink import DatabaseSink
 from app.settings import Settings
 from billing.db import make_engine, make_session_factory
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 class Metering:
     def __init__(self, *, rollup_interval_s: float = 300.0, rollup_lookback_h: int = 6) -> None:
         log_context.route_to_serve()
+        quiet_dependencies()  # before this replica imports the ML stack
         settings = Settings()
         self.sessions = make_session_factory(make_engine(settings.resolved_database_url()))
         self.sink = DatabaseSink(self.sessions)

@@ -12,12 +12,15 @@ upload costs one load in the deployment, not one per replica.
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
 from adapters.ref import AdapterRef
 from billing import adapter_registry
-from deployments.engine.interface import AsyncEngine
+
+if TYPE_CHECKING:  # the engine's model stack is imported by the replica that runs it, not by this module
+    from deployments.engine.interface import AsyncEngine
 from deployments.rendezvous import rendezvous_order
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,7 @@ SYNC_TIMEOUT_S = 60.0  # the loop applies it between steps; a step is far shorte
 class RegistryWatcher:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: "AsyncEngine",
         base_model: str,
         session_factory: Callable[[], Session],
         *,

@@ -29,6 +29,7 @@ from app.cli.routing import routing_app
 from app.cli.tenants import tenants_app
 from app.cli.tiers import tiers_app
 from app.cli.usage import usage_app
+from app.dependency_noise import quiet_dependencies
 
 
 def _groups() -> list[tuple[str, typer.Typer]]:
@@ -58,6 +59,7 @@ def build_app() -> typer.Typer:
 
 def main() -> None:
     """Console-script entry point."""
+    quiet_dependencies()  # before any command imports torch or transformers
     build_app()(prog_name="loraplex")
 
 

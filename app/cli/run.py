@@ -1,13 +1,18 @@
 """`loraplex up` and `loraplex status`: run the platform on its embedded defaults, and ask Serve how it is.
 
 `up` migrates the database, builds the demo model and adapters when missing, mints a demo tenant key
-(printed once), then replaces itself with `serve run <config>`. Ray 2.60 turns token auth on for new local
+(printed once), then runs `serve run <config>` until it is stopped (SIGTERM and Ctrl-C both stop it
+cleanly, as Ctrl-C would stop `serve run` itself). Ray 2.60 turns token auth on for new local
 clusters; we say so explicitly (RAY_AUTH_MODE=token) so that `serve status` finds the token too.
 """
 
+import ctypes
+import ctypes.util
 import os
 import secrets
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +22,8 @@ import yaml
 
 from app.cli.common import fail
 from app.settings import Settings
+
+PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent dies
 
 
 def _admin_key(settings: Settings) -> tuple[str, bool]:
@@ -89,7 +96,37 @@ def up(
     effective = _effective_config(settings, config, port)
     typer.echo(f"starting: serve run {effective} (Ctrl-C or SIGTERM stops it)")
     sys.stdout.flush()
-    os.execve(serve, [serve, "run", str(effective)], env)
+    raise typer.Exit(_serve_until_stopped([serve, "run", str(effective)], env))
+
+
+def _interrupt_if_parent_dies() -> None:
+    """In the child: if `up` is killed outright (SIGKILL), `serve run` gets SIGINT and still shuts down."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGINT)
+    except (OSError, AttributeError):  # not Linux: nothing to arm
+        pass
+
+
+def _serve_until_stopped(command: list[str], env: dict[str, str]) -> int:
+    """Run `serve run` as a child and turn the first SIGTERM, SIGHUP or SIGINT into its SIGINT.
+
+    `serve run` shuts the application and its local cluster down cleanly on SIGINT (KeyboardInterrupt),
+    while SIGTERM makes Ray's native failure handler print a stack trace as it dies. Returns 0 when it
+    stopped because we asked it to, else its own exit status."""
+    child = subprocess.Popen(command, env=env, process_group=0, preexec_fn=_interrupt_if_parent_dies)
+    stopping = False
+
+    def forward(signum: int, _: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            child.send_signal(signal.SIGINT)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    code = child.wait()
+    return 0 if stopping else code
 
 
 def status() -> None:
