@@ -31,9 +31,18 @@ from deployments.engine.interface import (
     EngineStopped,
     InvalidRequest,
     PromptTooLong,
+    ReplicaLost,
 )
 
 log = logging.getLogger(__name__)
+
+
+MAX_MESSAGE_CHARS = 1000
+MAX_PARAM_CHARS = 200
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 1]}…"
 
 
 class APIError(Exception):
@@ -49,6 +58,12 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # Messages and params may quote what the caller sent (a field name, a model name): bounded, so an
+        # error never echoes a megabyte back, nor carries it into the logs.
+        message, param = (
+            _clip(message, MAX_MESSAGE_CHARS),
+            None if param is None else _clip(param, MAX_PARAM_CHARS),
+        )
         super().__init__(message)
         self.status = status
         self.message = message
@@ -181,7 +196,10 @@ def to_api_error(error: Exception) -> APIError:
     if isinstance(error, InvalidRequest):
         return APIError(400, str(error), param=error.param)
     if isinstance(error, EngineOverloaded | EngineStopped):
-        message = f"The model is overloaded or restarting: {error}"
+        log.info("engine unavailable: %s", error)  # queue depths and causes stay in the log
+        message = "The model is overloaded or restarting; please retry shortly."
+        if isinstance(error, ReplicaLost):  # what the client already received is its own business
+            message = f"The model's replica stopped during this request: {error}."
         return APIError(
             503, message, type="server_error", code="engine_unavailable", headers={"retry-after": "1"}
         )

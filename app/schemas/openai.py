@@ -41,7 +41,7 @@ class ChatMessage(_Request):
 class SamplingFields(_Request):
     """Fields shared by both endpoints; vLLM's extensions top_k, min_p and repetition_penalty included."""
 
-    model: str = Field(min_length=1, description="A base model or one of your adapters.")
+    model: str = Field(min_length=1, max_length=256, description="A base model or one of your adapters.")
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

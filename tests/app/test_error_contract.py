@@ -19,7 +19,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 VOCAB_SIZE = 2048  # the tiny model's vocabulary (app/modelprep/demo_model.py, preset "tiny")
-CONTEXT = 1024  # its max_position_embeddings
+CONTEXT = 1024
+CONTRACT_TENANT = f"contract-{uuid.uuid4().hex[:8]}"  # its max_position_embeddings
 
 
 def assert_error(
@@ -51,6 +52,12 @@ def completion_body(**extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def tenant(served: Served) -> tuple[str, str]:
+    """Unlimited: this module sends hundreds of refused requests, and each counts against RPM."""
+    return served.new_tenant(CONTRACT_TENANT, tier="enterprise")
+
+
+@pytest.fixture(scope="module")
 def client(served: Served, tenant: tuple[str, str]) -> Iterator[httpx.Client]:
     """A tenant's client (module scoped, like the server)."""
     _, key = tenant
@@ -69,7 +76,7 @@ def _bad_json(c: httpx.Client, h: dict[str, str]) -> httpx.Response:
 
 def _admin_conflict(c: httpx.Client, h: dict[str, str]) -> httpx.Response:
     admin = {**h, "authorization": f"Bearer {ADMIN_KEY}"}
-    return c.post("/admin/tenants", json={"name": "acme"}, headers=admin)  # `tenant` is named acme
+    return c.post("/admin/tenants", json={"name": CONTRACT_TENANT}, headers=admin)  # `tenant`'s name
 
 
 def _admin_created(c: httpx.Client, h: dict[str, str]) -> httpx.Response:

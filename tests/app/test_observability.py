@@ -63,8 +63,8 @@ def test_readyz_names_a_broken_database(served: Served, monkeypatch: pytest.Monk
     body = response.json()
     assert body["error"]["code"] == "not_ready" and body["error"]["type"] == "server_error"
     assert "database" in body["error"]["message"] and "limiter" not in body["error"]["message"]
-    assert body["checks"]["database"] == "failed (OperationalError)" and body["checks"]["limiter"] == "ok"
-    assert "127.0.0.1" not in response.text  # details go to the log, not to the caller
+    assert body["checks"]["database"] == "failed" and body["checks"]["limiter"] == "ok"
+    assert "127.0.0.1" not in response.text and "Error" not in response.text  # details go to the log only
     assert response.headers["retry-after"] == "1"
 
 
@@ -74,7 +74,7 @@ def test_readyz_names_a_limiter_outage(served: Served, monkeypatch: pytest.Monke
     assert response.status_code == 503
     body = response.json()
     assert (
-        "limiter" in body["error"]["message"] and body["checks"]["limiter"] == "failed (LimiterUnavailable)"
+        "limiter" in body["error"]["message"] and body["checks"]["limiter"] == "failed"
     )
     assert body["checks"]["database"] == "ok" and body["checks"][f"engine:{MODEL}"] == "ok"
 

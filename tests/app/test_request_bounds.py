@@ -31,7 +31,8 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(served: Served, tenant: 
     tenant_id, key = tenant
     limit = served.services.settings.max_body_kb * 1024
     big = b'{"model": "tiny-llama", "prompt": "' + b"a" * limit + b'"}'
-    error = assert_error(post(served, key, "/v1/completions", content=big), 413, code="request_body_too_large")
+    r = post(served, key, "/v1/completions", content=big)
+    error = assert_error(r, 413, code="request_body_too_large")
     assert "larger" in error["message"]
 
     def chunks() -> Iterator[bytes]:  # no content-length: counted as it arrives
@@ -137,3 +138,22 @@ def test_refused_requests_still_count_against_requests_per_minute(served: Served
     r = post(served, key, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert_error(r, 429, code="rate_limit_exceeded")
     assert "requests per minute" in r.json()["error"]["message"]
+
+
+def test_errors_never_echo_unbounded_input(served: Served, tenant: tuple[str, str]) -> None:
+    _, key = tenant
+    field = "f" * 100_000
+    r = post(served, key, "/v1/completions", json={"model": MODEL, "prompt": "hi", field: 1})
+    error = assert_error(r, 400)
+    assert len(error["message"]) <= 1000 and len(error["param"]) <= 200
+    r = post(served, key, "/v1/completions", json={"model": "m" * 100_000, "prompt": "hi"})
+    error = assert_error(r, 400, param="model")
+    assert len(r.content) < 2000
+
+
+def test_an_overloaded_engine_says_so_without_its_internals() -> None:
+    from app.errors import to_api_error
+    from deployments.engine.errors import EngineOverloaded
+
+    error = to_api_error(EngineOverloaded("37 requests are already waiting"))
+    assert error.status == 503 and "37" not in error.message and "waiting" not in error.message
