@@ -1,7 +1,12 @@
-"""create_app: the FastAPI application, from settings and services built by the caller."""
+"""create_app: the FastAPI application, from settings and services built by the caller.
+
+`routes` picks what one listener serves: everything (the default), the tenant API alone, or the admin API
+alone, for operators who keep /admin on a listener of its own (Settings.admin_listen) behind a firewall.
+"""
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import FastAPI
 
@@ -11,10 +16,15 @@ from app.middleware import RequestContextMiddleware
 from app.routes import admin, admin_adapters, completions, health, limits, models, routing, usage, usage_page
 from app.services import Services
 
+Routes = Literal["all", "tenant", "admin"]
 
-def create_app(services: Services, *, behind_serve_proxy: bool = False) -> FastAPI:
+
+def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: Routes = "all") -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if routes == "admin":  # the tenant listener runs the usage delivery; one per process
+            yield
+            return
         services.delivery.start()  # usage records: outbox -> metering, in the background
         yield
         await services.delivery.stop()
@@ -34,18 +44,9 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False) -> FastA
         max_upload_bytes=settings.max_upload_mb * 2**20,
     )
     app.add_middleware(RequestContextMiddleware, emit_header=not behind_serve_proxy)  # the outer one
-    routers = (
-        completions.router,
-        models.router,
-        usage.router,
-        limits.router,
-        admin.router,
-        admin_adapters.router,
-        usage.admin_router,
-        routing.router,
-        health.router,
-        usage_page.router,
-    )
-    for router in routers:
+    tenant = (completions.router, models.router, usage.router, limits.router, usage_page.router)
+    admin_api = (admin.router, admin_adapters.router, usage.admin_router, routing.router)
+    routers = {"all": (*tenant, *admin_api), "tenant": tenant, "admin": admin_api}[routes]
+    for router in (*routers, health.router):
         app.include_router(router)
     return app

@@ -44,6 +44,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Largest request body on every route but adapter uploads; larger gets 413 unread.",
     )
+    admin_listen: str = Field(
+        default="",
+        description=(
+            "host:port of a separate listener for /admin (each ingress replica opens it); when set, the "
+            "tenant port no longer serves /admin, so operators can firewall the admin API."
+        ),
+    )
     max_messages: int = Field(default=1024, ge=1, description="Most chat messages in one request.")
     max_prompt_chars: int = Field(
         default=1_000_000,

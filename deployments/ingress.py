@@ -12,11 +12,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import log_context
+from app.admin_listener import AdminListener
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
 from app.dependency_noise import quiet_dependencies
 from app.limits.factory import LimiterConfig, make_limiter
-from app.main import create_app
+from app.main import Routes, create_app
 from app.settings import Settings
 from deployments.metering import ServeMeteringSink
 from deployments.serve_engine_client import ServeEngineClient
@@ -52,6 +53,16 @@ class Ingress:
             limiter_fail_open=limiter_config.fail_open,
             metering=None if metering is None else ServeMeteringSink(metering),
         )
+        self.admin_listener: AdminListener | None = None
+        if self.settings.admin_listen:  # /admin on its own address; the tenant port then serves no /admin
+            admin_app = create_app(self.services, routes="admin")
+            self.admin_listener = AdminListener(admin_app, self.settings.admin_listen).start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.services, behind_serve_proxy=True)
+        routes: Routes = "tenant" if self.admin_listener is not None else "all"
+        return create_app(self.services, behind_serve_proxy=True, routes=routes)
+
+    def __del__(self) -> None:
+        listener = getattr(self, "admin_listener", None)
+        if listener is not None:
+            listener.stop()

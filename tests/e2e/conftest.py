@@ -57,6 +57,7 @@ class ServeApp:
     setups: dict[str, TinySetup]
     database_url: str
     metrics_url: str = ""  # the node's Prometheus export (Ray's metrics agent)
+    admin_url: str = ""  # the ingress's separate admin listener (LORAPLEX_ADMIN_LISTEN)
     postgres_database: str | None = None  # the database's name when it is PostgreSQL
 
     def sessions(self) -> "sessionmaker[Session]":
@@ -70,7 +71,9 @@ class ServeApp:
         return sqlite_outage(self.data_dir / "loraplex.db")
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+        return httpx.Client(
+            base_url=self.admin_url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
+        )
 
     def new_tenant(self, name: str, tier: str = "free") -> tuple[str, str]:
         with self.admin() as admin:
@@ -154,6 +157,7 @@ def serve_app(
     if database_url.startswith("sqlite"):  # the data dir's own file, as `loraplex up` lays it out
         database_url = f"sqlite:///{data_dir / 'loraplex.db'}"
     upgrade(database_url)
+    admin_port = free_port()
     env = {
         "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns token auth on for new local clusters
         "LORAPLEX_DATA_DIR": str(data_dir),
@@ -161,6 +165,8 @@ def serve_app(
         "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
         "LORAPLEX_AUTH_CACHE_TTL_S": "0.2",
         "LORAPLEX_ADAPTER_STORE": str(data_dir / "adapters"),
+        # /admin on a listener of its own, as operators who firewall it run it; the tenant port has none.
+        "LORAPLEX_ADMIN_LISTEN": f"127.0.0.1:{admin_port}",
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the local cluster's workers inherit this process's environment
@@ -175,6 +181,7 @@ def serve_app(
         database_url,
         f"http://127.0.0.1:{metrics_port}/metrics",
         postgres_database=None if database_url.startswith("sqlite") else make_url(database_url).database,
+        admin_url=f"http://127.0.0.1:{admin_port}",
     )
     app.deploy(
         {

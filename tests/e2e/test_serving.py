@@ -17,6 +17,7 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.interface import EngineRequest, EngineStats
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
+from tests.app.conftest import ADMIN_KEY
 from tests.e2e.conftest import ServeApp
 from tests.engine.helpers import drain, text
 
@@ -197,3 +198,9 @@ def test_a_client_leaving_before_its_first_token_is_billed_once(serve_app: Serve
     row = left[0]
     assert row.status == "aborted" and row.finish_reason == "abort"
     assert 0 <= row.prompt_tokens <= 300 and row.completion_tokens == 0
+
+
+def test_the_admin_api_is_on_its_own_listener_only(serve_app: ServeApp) -> None:
+    headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.get(f"{serve_app.url}/admin/tenants", headers=headers).status_code == 404
+    assert httpx.get(f"{serve_app.admin_url}/admin/tenants", headers=headers).status_code == 200
