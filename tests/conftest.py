@@ -71,3 +71,12 @@ def session_factory(database_url: str) -> Iterator[sessionmaker[Session]]:
     engine = make_engine(database_url)
     yield make_session_factory(engine)
     engine.dispose()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_kernel_built() -> None:
+    """Build the native CPU LoRA kernel once per machine, before any engine starts (engines only load a
+    built one). A machine that cannot build it runs the torch kernels; under CI the kernel tests fail."""
+    from deployments.engine.interface import build_native_kernel
+
+    build_native_kernel()

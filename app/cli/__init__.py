@@ -5,8 +5,8 @@ remote deployment; `db` migrates the billing database directly and `billing` rol
 it; `up`, `status` and `ready` run the platform locally and follow it.
 
 Each command group is one `typer.Typer()` in its own module of this package (tenants, keys, tiers,
-adapters, usage, billing, routing, db; `up`/`status` in run, `ready` in ready); `build_app()` registers
-them on the root. A group takes what it shares with others from the helper modules only, never from
+adapters, usage, billing, routing, db, kernels; `up`/`status` in run, `ready` in ready); `build_app()`
+registers them on the root. A group takes what it shares with others from the helper modules only, never from
 another group: app.cli.common (global options, the admin client, emit and fail), app.cli.output (tables,
 records, timestamps), app.cli.database (the billing database's URL and errors) and app.cli.limits (the limit
 options of tiers and tenants). A new group lives in its own module and is added to `_groups()`.
@@ -24,6 +24,7 @@ from app.cli.adapters import adapters_app
 from app.cli.billing import billing_app
 from app.cli.common import DEFAULT_URL, CLIOptions
 from app.cli.db import db_app
+from app.cli.kernels import kernels_app
 from app.cli.keys import keys_app
 from app.cli.routing import routing_app
 from app.cli.tenants import tenants_app
@@ -42,6 +43,7 @@ def _groups() -> list[tuple[str, typer.Typer]]:
         ("billing", billing_app),
         ("routing", routing_app),
         ("db", db_app),
+        ("kernels", kernels_app),
     ]
 
 

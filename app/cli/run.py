@@ -70,6 +70,11 @@ def up(
         demo = prepare(settings, config)
     except FileNotFoundError as error:
         fail(str(error), code=2)
+    typer.echo("preparing: the native CPU LoRA kernel (built once per machine)...")
+    from deployments.engine.interface import build_native_kernel
+
+    if build_native_kernel() is None:
+        typer.echo("  not built here: the engines use the torch kernels (slower, same results)")
     admin_key, generated = _admin_key(settings)
     http = yaml.safe_load(config.read_text()).get("http_options", {})
     url = f"http://{http.get('host', '127.0.0.1')}:{port or http.get('port', 8000)}"

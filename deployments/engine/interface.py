@@ -11,6 +11,7 @@ needs.
 """
 
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deployments.engine.config import DEFAULT_LORA_TARGETS, EngineConfig
@@ -54,6 +55,14 @@ class EngineClient(Protocol):
         ...
 
 
+def build_native_kernel() -> "Path | None":
+    """Build the native CPU LoRA kernel for this machine unless it is built (engines never build it:
+    they load what is there). Returns the library, or None if it cannot be built here."""
+    from deployments.engine import native_kernel
+
+    return native_kernel.build()
+
+
 _LAZY = {
     "AsyncEngine": "deployments.engine.async_engine",
     "LocalEngineClient": "deployments.engine.local_client",
@@ -91,4 +100,5 @@ __all__ = [
     "RequestOutput",
     "RequestUsage",
     "SamplingParams",
+    "build_native_kernel",
 ]

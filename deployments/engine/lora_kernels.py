@@ -1,22 +1,20 @@
 """The multi-LoRA delta kernels, picked once per engine for its device and dtype.
 
-- `sgmv_cpu`: our C++ segment kernel (csrc/sgmv_cpu.cpp), built on first use with the machine's compiler
-  and cached per CPU type; near the memory-traffic floor where library calls are dominated by overhead.
+- `sgmv_cpu`: our C++ segment kernel (csrc/sgmv_cpu.cpp), built ahead of serving per CPU type
+  (native_kernel.py); near the memory-traffic floor where library calls are dominated by overhead.
 - `grouped_mm`: torch._grouped_mm (CUDA sm90+ in bf16; a C++ loop elsewhere).
 - `loop`: one pair of matmuls per segment present; always works.
 All compute y[:n] += (x @ A[slot]) @ B[slot] per segment, with scaling already folded into B.
 """
 
-import hashlib
 import logging
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from deployments.engine import native_kernel
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +30,6 @@ class LoRABatch:
 
 
 LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRABatch], None]
-SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.cpp"
 
 
 def loop_kernel(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
@@ -47,34 +44,9 @@ def grouped_mm_kernel(
     y[: batch.num_lora_tokens] += torch._grouped_mm(h, b, offs=batch.offsets).to(y.dtype)
 
 
-def _cpu_tag() -> str:
-    """Identifies the instruction set the kernel is compiled for (-march=native), so a shared cache
-    directory never hands one CPU type a binary built for another."""
-    try:
-        flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
-
-
-@cache
 def _cpu_extension() -> ModuleType | None:
-    from torch.utils.cpp_extension import load
-
-    try:
-        module: ModuleType = load(
-            name=f"loraplex_sgmv_{_cpu_tag()}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-        return module
-    except Exception as error:  # no compiler, no headers: the library kernels still work
-        log.warning("CPU multi-LoRA kernel unavailable (%s); using torch kernels", error)
-        return None
+    """The native kernel if it was built for this machine (native_kernel.py); never builds here."""
+    return native_kernel.load()
 
 
 def sgmv_cpu_kernel(

@@ -1,0 +1,146 @@
+"""The native CPU multi-LoRA kernel (csrc/sgmv_cpu.cpp): built once, ahead of serving, loaded by engines.
+
+torch's JIT build (`cpp_extension.load`) guards a shared build directory with a lock file: a build killed
+midway leaves the lock behind and every later engine start waits on it forever, and its directory is keyed
+by the checkout path, so each new clone builds again. Here instead:
+- a build happens in a private temporary directory, in a child process with a time bound, and the result
+  is renamed into place atomically, so there is no shared lock to go stale and nobody sees half a build;
+- the cache is keyed by what the binary depends on (source, torch version, compiler flags, CPU features),
+  never by path, under LORAPLEX_KERNEL_CACHE (default ~/.cache/loraplex/kernels);
+- an engine only loads what is already built (`load`): it never waits on a build. Without one it logs how
+  to build it and runs the library kernels. `loraplex kernels build` (and `loraplex up`, and the test
+  suite) build ahead of time.
+"""
+
+import contextlib
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+BUILD_TIMEOUT_S = 600.0
+
+
+def cache_root() -> Path:
+    configured = os.environ.get("LORAPLEX_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "loraplex" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The instruction set the binary is compiled for (-march=native): one CPU type never gets another's."""
+    try:
+        return next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode()):
+        digest.update(part)
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def module_name() -> str:
+    return f"loraplex_sgmv_{build_key()}"
+
+
+def built_library() -> Path | None:
+    """The built extension for this source, torch and CPU, if there is one."""
+    directory = cache_root() / build_key()
+    found = sorted(directory.glob(f"{module_name()}*.so")) if directory.is_dir() else []
+    return found[0] if found else None
+
+
+@cache
+def load() -> ModuleType | None:
+    """The built kernel, or None (with a log line saying how to build it). Never builds, never waits."""
+    library = built_library()
+    if library is None:
+        log.warning(
+            "native CPU LoRA kernel not built for this machine; using the torch kernels. "
+            "Build it once with `loraplex kernels build` (cache: %s)",
+            cache_root(),
+        )
+        return None
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(module_name(), str(library))
+        spec = importlib.util.spec_from_file_location(module_name(), library, loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except Exception as error:  # a corrupt or foreign binary: the library kernels still work
+        log.warning(
+            "native CPU LoRA kernel at %s failed to load (%s); using the torch kernels", library, error
+        )
+        return None
+
+
+def build(timeout_s: float = BUILD_TIMEOUT_S) -> Path | None:
+    """Build the kernel unless it is built; returns the library, or None if this machine cannot build it
+    (no compiler, no headers, out of time), saying why in the log."""
+    existing = built_library()
+    if existing is not None:
+        return existing
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        command = [sys.executable, "-m", "deployments.engine.native_kernel", str(scratch), module_name()]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+        if result.returncode != 0:
+            tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+            log.warning("native CPU LoRA kernel did not build: %s", " | ".join(tail) or result.returncode)
+            return None
+        final = root / build_key()
+        with contextlib.suppress(OSError):  # OSError: another builder got there first; theirs is as good
+            scratch.rename(final)  # atomic: readers see the whole build or none
+        return built_library()
+    except subprocess.TimeoutExpired:
+        log.warning("native CPU LoRA kernel build took over %.0f s; gave up", timeout_s)
+        return None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _build_into(directory: Path, name: str) -> None:
+    """In the child process: torch's JIT build, into a directory no one else uses."""
+    from torch.utils.cpp_extension import load as jit_load
+
+    jit_load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        verbose=False,
+    )
+    for leftover in directory.iterdir():  # keep the library alone
+        if not leftover.name.endswith(".so"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
+
+
+if __name__ == "__main__":
+    _build_into(Path(sys.argv[1]), sys.argv[2])
