@@ -81,8 +81,13 @@ def main() -> None:
     )
     parser.add_argument("--uploads", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--tiny", action="store_true", help="one upload on the tiny model: checks it runs")
     args = parser.parse_args()
-    model_dir, _, adapter_dirs = ensure_bench_assets()
+    if args.tiny:
+        args.uploads = 1
+        model_dir, _, adapter_dirs = ensure_bench_assets(preset="tiny", num_adapters=1, rank=4)
+    else:
+        model_dir, _, adapter_dirs = ensure_bench_assets()
     work = Path(tempfile.mkdtemp(prefix="upload-bench-"))
     url = f"sqlite:///{work / 'db.sqlite'}"
     upgrade(url)

@@ -60,6 +60,9 @@ class LocalInstantClient:
     def generate(self, base_model: str, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         return instant_outputs(request)
 
+    async def abort(self, base_model: str, request_id: str, replica: str | None) -> bool:
+        return False  # every request finishes at once: nothing is left to stop
+
     async def ready(self, base_model: str) -> bool:
         return True
 
@@ -152,7 +155,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--tiny", action="store_true", help="20 requests: checks the bench runs")
     args = parser.parse_args()
+    if args.tiny:
+        args.requests = 20
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:

@@ -66,7 +66,10 @@ def main() -> None:
     )
     parser.add_argument("--records", type=int, default=20000)
     parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--tiny", action="store_true", help="300 records: checks the bench runs")
     args = parser.parse_args()
+    if args.tiny:
+        args.records, args.batch = 300, 100
     result: dict[str, object] = {"records": args.records, "batch": args.batch}
     sqlite_fast, sqlite_slow = measure(f"sqlite:///{tempfile.mkdtemp()}/bench.db", args.records, args.batch)
     admin = os.environ.get("LORAPLEX_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")

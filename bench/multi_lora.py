@@ -149,7 +149,10 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=None, help="runs per peer, best kept (default 1 quick, 2 full)"
     )
+    parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 adapters: checks it runs")
     args = parser.parse_args()
+    if args.tiny:
+        args.quick, args.preset, args.adapters, args.rank, args.dtype = True, "tiny", 2, 4, "float32"
 
     n, out_range, batch = (16, (32, 48), 16) if args.quick else (64, (64, 128), 32)
     args.repeats = args.repeats or (1 if args.quick else 2)

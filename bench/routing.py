@@ -204,7 +204,10 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--spill-factor", type=float, default=1.5, help="the deployment default")
+    parser.add_argument("--tiny", action="store_true", help="one burst of one token: checks the bench runs")
     args = parser.parse_args()
+    if args.tiny:
+        args.bursts, args.max_tokens = 1, 1
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
     work = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     # The e2e tests' setup: tiny Llama (cached, shared with bench.gateway) and its demo-sql adapter.

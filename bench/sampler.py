@@ -3,6 +3,8 @@
 Run: python -m bench.sampler
 """
 
+import argparse
+import json
 import random
 import statistics
 import time
@@ -46,20 +48,27 @@ def logits(kind: str) -> torch.Tensor:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tiny", action="store_true", help="a few calls: checks the bench runs")
+    args = parser.parse_args()
+    warmup, calls = (1, 3) if args.tiny else (WARMUP, CALLS)
     sampler = Sampler(V, torch.device("cpu"), seed=0)
     batch = rows()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, N={N} V={V}")
+    result: dict[str, object] = {"rows": N, "vocab": V, "calls": calls}
     for kind in ("peaked", "flat"):
         x = logits(kind)
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             sampler.sample(x, batch)
         times = []
-        for _ in range(CALLS):
+        for _ in range(calls):
             start = time.perf_counter()
             sampler.sample(x, batch)
             times.append((time.perf_counter() - start) * 1e6)
         # Median and best: on a shared machine the best is the cleaner measure of the code.
         print(f"{kind:>6} logits: median {statistics.median(times):8.0f} us/call, best {min(times):8.0f}")
+        result[f"{kind}_median_us"] = round(statistics.median(times))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
