@@ -1,5 +1,5 @@
 """Adapter-aware routing against Ray Serve's default router, on the same workload in the same run: a real
-Serve app (local Ray, HTTP proxy on loopback) with 3 engine replicas of a tiny Llama and 24 public adapters.
+Serve app (local Ray, HTTP proxy on loopback) with 3 engine replicas of a tiny Llama and 24 public adapters (--replicas, --adapters).
 
 Per router, on fresh replicas (the adapters are uploaded before they start, so every load is the router's
 doing): a warm-up burst (2 concurrent streamed requests per adapter), then N bursts of one per adapter.
@@ -33,7 +33,7 @@ from app.modelprep.demo_model import ensure_model
 from billing.migrate import upgrade
 from deployments.builder import build_app
 
-APP, MODEL, ADAPTERS, REPLICAS = "loraplex", "tiny-llama", 24, 3
+APP, MODEL = "loraplex", "tiny-llama"
 Snapshot = dict[str, dict[str, Any]]  # replica name -> its row of GET /admin/routing
 
 
@@ -52,7 +52,7 @@ class Platform:
         if APP in serve.status().applications:
             serve.delete(APP)
         engine = {"model": str(self.model_dir), "num_kv_blocks": 256, "block_size": 4, "max_num_seqs": 16,
-                  "max_num_batched_tokens": 128, "max_loras": 4, "max_cpu_loras": ADAPTERS}  # fmt: skip
+                  "max_num_batched_tokens": 128, "max_loras": 4, "max_cpu_loras": 64}  # fmt: skip
         model = {"name": MODEL, "engine": engine, "num_replicas": replicas, "router": router,
                  "spill_factor": spill_factor, "report_interval_s": 0.5}  # fmt: skip
         serve.run(build_app({"models": [model]}), name=APP, route_prefix="/", blocking=False)
@@ -145,7 +145,7 @@ async def burst(
 def measure(
     platform: Platform, key: str, names: list[str], router: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    replicas = platform.deploy(router, REPLICAS, args.spill_factor)
+    replicas = platform.deploy(router, args.replicas, args.spill_factor)
     start = platform.snapshot(replicas)
     warm_up = asyncio.run(burst(platform.url, key, names, 2, args.max_tokens))
     warm = platform.snapshot(replicas)
@@ -163,7 +163,7 @@ def measure(
         "loads": loads,
         "duplicate_loads": loads - len(spread),
         "hit_rate": round(hits / requests, 4) if requests else None,
-        "requests_after_warm_up": requests,  # adapter requests the replicas counted: expect bursts * 24
+        "requests_after_warm_up": requests,  # adapter requests the replicas counted: expect bursts * adapters
         "busiest_replica_requests": busiest,  # of those; an even split is requests / 3
         "p50_ttft_ms": round(statistics.median(ok), 1) if ok else None,
         "p95_ttft_ms": round(ok[min(len(ok) - 1, int(0.95 * len(ok)))], 1) if ok else None,
@@ -172,8 +172,8 @@ def measure(
     }
 
 
-def setup(platform: Platform, adapter_dir: Path) -> tuple[str, list[str]]:
-    """An enterprise tenant (its rate limits never bind here) and 24 public copies of one adapter."""
+def setup(platform: Platform, adapter_dir: Path, adapters: int) -> tuple[str, list[str]]:
+    """An enterprise tenant (its rate limits never bind here) and public copies of one adapter."""
     files = {
         p: (p, (adapter_dir / p).read_bytes()) for p in ("adapter_config.json", "adapter_model.safetensors")
     }
@@ -182,7 +182,7 @@ def setup(platform: Platform, adapter_dir: Path) -> tuple[str, list[str]]:
         tenant.raise_for_status()
         key = admin.post(f"/admin/tenants/{tenant.json()['id']}/keys", json={})
         key.raise_for_status()
-        for i in range(ADAPTERS):
+        for i in range(adapters):
             made = admin.post(
                 "/admin/adapters",
                 data={"name": f"route-{i:02d}", "owner": "public", "base_model": MODEL},
@@ -190,7 +190,7 @@ def setup(platform: Platform, adapter_dir: Path) -> tuple[str, list[str]]:
                        "adapter_model": files["adapter_model.safetensors"]},
             )  # fmt: skip
             made.raise_for_status()
-    return key.json()["key"], [f"public/route-{i:02d}" for i in range(ADAPTERS)]
+    return key.json()["key"], [f"public/route-{i:02d}" for i in range(adapters)]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -204,10 +204,12 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--spill-factor", type=float, default=1.5, help="the deployment default")
-    parser.add_argument("--tiny", action="store_true", help="one burst of one token: checks the bench runs")
+    parser.add_argument("--adapters", type=int, default=24, help="public adapters, more than the slots")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="2 replicas, 6 adapters: checks the bench runs")
     args = parser.parse_args()
     if args.tiny:
-        args.bursts, args.max_tokens = 1, 1
+        args.bursts, args.max_tokens, args.adapters, args.replicas = 1, 1, 6, 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
     work = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     # The e2e tests' setup: tiny Llama (cached, shared with bench.gateway) and its demo-sql adapter.
@@ -234,7 +236,7 @@ def main() -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         platform = Platform(f"http://127.0.0.1:{port}", env["LORAPLEX_ADMIN_KEY"], model_dir)
         platform.deploy("default", 1, args.spill_factor)  # one replica to upload through: retired after
-        key, names = setup(platform, adapter_dir)
+        key, names = setup(platform, adapter_dir, args.adapters)
         default = measure(platform, key, names, "default", args)
         ours = measure(platform, key, names, "adapter_aware", args)
     finally:
@@ -245,7 +247,7 @@ def main() -> None:
     for field in default:
         print(f"{field:24}{default[field]!s:>12}{ours[field]!s:>16}")
     result = {
-        "bench": "routing", "replicas": REPLICAS, "adapters": ADAPTERS, "bursts": args.bursts,
+        "bench": "routing", "replicas": args.replicas, "adapters": args.adapters, "bursts": args.bursts,
         "spill_factor": args.spill_factor, "ours": ours, "default": default,
         "ratios": {
             "loads_default_over_ours": ratio(default["loads"], ours["loads"]),
