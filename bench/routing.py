@@ -1,5 +1,5 @@
 """Adapter-aware routing against Ray Serve's default router, on the same workload in the same run: a real
-Serve app (local Ray, HTTP proxy on loopback) with 3 engine replicas of a tiny Llama and 24 public adapters (--replicas, --adapters).
+Serve app (local Ray, HTTP proxy on loopback) with 3 engine replicas of a tiny Llama and 24 public adapters.
 
 Per router, on fresh replicas (the adapters are uploaded before they start, so every load is the router's
 doing): a warm-up burst (2 concurrent streamed requests per adapter), then N bursts of one per adapter.
