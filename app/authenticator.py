@@ -1,18 +1,24 @@
 """Authenticator: API key -> Principal, with a short cache so most requests never touch the database.
 
-Revocation, expiry and tenant disabling take effect within `ttl` seconds on every ingress replica.
+Revocation, expiry and tenant disabling take effect within `ttl` seconds on every ingress replica. Keys the
+database refused are cached for the same `ttl` (a negative cache), so a key created a moment after someone
+tried it also works within `ttl`; a repeated bogus key costs one lookup per `ttl`, and a client whose
+lookups keep failing is throttled (app/auth_failures.py) before it reaches the database again.
 """
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from app.auth import hash_key, parse_prefix, verify_key
-from app.errors import InvalidApiKey
+from app.auth_failures import FailureThrottle
+from app.errors import InvalidApiKey, TooManyFailedAuthentications
+from app.key_usage import KeyUsageRecorder
 from app.limits import Limits
 from billing import repository
 from billing.models import Tenant, Tier
@@ -27,29 +33,63 @@ class Principal:
     limits: Limits = field(default_factory=Limits)  # the tier's, with the tenant's overrides
 
 
+MAX_CACHED = 100_000
+V = TypeVar("V")
+
+
 class Authenticator:
-    def __init__(self, session_factory: Callable[[], Session], server_secret: bytes, *, ttl: float) -> None:
+    def __init__(
+        self,
+        session_factory: Callable[[], Session],
+        server_secret: bytes,
+        *,
+        ttl: float,
+        failures: FailureThrottle | None = None,
+        key_usage: KeyUsageRecorder | None = None,
+    ) -> None:
         self._sessions = session_factory
         self._secret = server_secret
         self._ttl = ttl
-        self._cache: dict[str, tuple[float, Principal]] = {}  # keyed by the key's hash, never plaintext
+        self._failures = failures
+        self._key_usage = key_usage
+        # Both keyed by the key's hash, never plaintext.
+        self._cache: dict[str, tuple[float, Principal]] = {}
+        self._refused: dict[str, float] = {}  # -> until when the database's "no" stands
 
-    async def authenticate(self, authorization: str | None) -> Principal:
+    async def authenticate(self, authorization: str | None, client: str | None = None) -> Principal:
+        """`client`: the caller's address, which failed lookups are counted against."""
         if not authorization:
             raise InvalidApiKey("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
         scheme, _, key = authorization.partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or parse_prefix(key) is None:
-            raise InvalidApiKey()
+            raise InvalidApiKey()  # answered from the key's shape alone: costs nothing, so not counted
         cache_key = hash_key(self._secret, key)
-        hit = self._cache.get(cache_key)
         now = time.monotonic()
+        hit = self._cache.get(cache_key)
         if hit is not None and hit[0] > now:
-            return hit[1]
-        principal = await run_in_threadpool(self._lookup, key)
-        if len(self._cache) > 100_000:  # bounded: drop everything rather than track LRU on the hot path
-            self._cache.clear()
-        self._cache[cache_key] = (now + self._ttl, principal)
+            principal = hit[1]
+        else:
+            principal = await self._look_up(key, cache_key, client, now)
+        if self._key_usage is not None:
+            self._key_usage.used(principal.key_id)
+        return principal
+
+    async def _look_up(self, key: str, cache_key: str, client: str | None, now: float) -> Principal:
+        if self._refused.get(cache_key, 0.0) > now:
+            raise InvalidApiKey()
+        if client is not None and self._failures is not None:
+            wait = self._failures.retry_after(client, now)
+            if wait is not None:
+                raise TooManyFailedAuthentications(wait)
+        try:
+            principal = await run_in_threadpool(self._lookup, key)
+        except InvalidApiKey:
+            _bounded(self._refused)[cache_key] = now + self._ttl
+            if client is not None and self._failures is not None:
+                self._failures.failed(client, now)
+            raise
+        _bounded(self._cache)[cache_key] = (now + self._ttl, principal)
         return principal
 
     def _lookup(self, key: str) -> Principal:
@@ -68,6 +108,13 @@ class Authenticator:
                 key_id=api_key.id,
                 limits=limits_for(tier, tenant),
             )
+
+
+def _bounded(cache: dict[str, V]) -> dict[str, V]:
+    # Drop everything rather than track LRU on the hot path; a miss only costs one lookup.
+    if len(cache) >= MAX_CACHED:
+        cache.clear()
+    return cache
 
 
 def limits_for(tier: Tier, tenant: Tenant) -> Limits:

@@ -2,8 +2,10 @@
 
 from adapters.store import AdapterStore
 from app.adapter_resolver import AdapterResolver
+from app.auth_failures import FailureThrottle
 from app.authenticator import Authenticator
 from app.catalog import BaseModelSpec, ModelCatalog
+from app.key_usage import KeyUsageRecorder
 from app.limits import LimiterBackend
 from app.limits.local_backend import LocalLimiter
 from app.metering.database_sink import DatabaseSink
@@ -13,7 +15,9 @@ from app.metering.outbox import Outbox
 from app.request_metrics import RequestMetrics
 from app.services import Services
 from app.settings import Settings
+from billing import migrate
 from billing.db import make_engine, make_session_factory
+from billing.schema_gate import SchemaGate
 from deployments.engine.interface import EngineClient
 
 
@@ -29,7 +33,12 @@ def build_services(
     """`models`: the served base models by name. Without a limiter backend, limits are kept in this
     process (right for one ingress replica; the Serve deployment passes a cluster-wide one). Without a
     metering sink, usage goes from the outbox straight into the database."""
-    session_factory = make_session_factory(make_engine(settings.resolved_database_url()))
+    url = settings.resolved_database_url()
+    if settings.auto_migrate:
+        migrate.upgrade_to_head(url)
+    database = make_engine(url, settings.database_pool)
+    # Every session first checks the schema is this code's: a database never migrated says so, clearly.
+    session_factory = make_session_factory(database, check=SchemaGate(database).require)
     secret = settings.resolved_key_secret()
     outbox = Outbox(settings.data_dir / "outbox.sqlite")
     delivery = UsageDelivery(outbox, metering or DatabaseSink(session_factory))
@@ -37,7 +46,15 @@ def build_services(
         settings=settings,
         key_secret=secret,
         session_factory=session_factory,
-        authenticator=Authenticator(session_factory, secret, ttl=settings.auth_cache_ttl_s),
+        authenticator=Authenticator(
+            session_factory,
+            secret,
+            ttl=settings.auth_cache_ttl_s,
+            failures=FailureThrottle(
+                limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s
+            ),
+            key_usage=KeyUsageRecorder(session_factory, interval_s=settings.key_last_used_interval_s),
+        ),
         catalog=ModelCatalog.from_specs(models),
         engine=engine,
         adapters=AdapterResolver(session_factory, ttl=settings.adapter_cache_ttl_s),

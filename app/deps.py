@@ -4,12 +4,16 @@ Credentials are checked by the route classes in app/routes/guarded.py before the
 dependencies hand the result to the route (and document the security scheme in OpenAPI).
 """
 
+import time
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
 from app.authenticator import Principal
+from app.client_address import client_address
+from app.errors import ReadRateLimited
 from app.middleware import request_id_of
+from app.read_budget import ReadBudget
 from app.services import Services
 
 
@@ -25,10 +29,36 @@ async def get_principal(
     request: Request, services: ServicesDep, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
     principal: Principal | None = getattr(request.state, "principal", None)
-    return principal or await services.authenticator.authenticate(authorization)
+    if principal is not None:
+        return principal
+    client = client_address(request, services.settings.client_ip_header)
+    return await services.authenticator.authenticate(authorization, client)
 
 
 TenantDep = Annotated[Principal, Depends(get_principal)]
+
+
+def read_budget(request: Request, services: Services) -> ReadBudget:
+    """The app's one ReadBudget, made on first use from the settings (never at import time)."""
+    budget: ReadBudget | None = getattr(request.app.state, "read_budget", None)
+    if budget is None:
+        settings = services.settings
+        budget = request.app.state.read_budget = ReadBudget(
+            per_minute=settings.read_rpm, burst=settings.read_burst
+        )
+    return budget
+
+
+async def get_reader(request: Request, principal: TenantDep, services: ServicesDep) -> Principal:
+    """The tenant, once one read is spent from its read budget (429 with retry-after when empty)."""
+    budget = read_budget(request, services)
+    wait = budget.take(principal.tenant_id, time.monotonic())
+    if wait is not None:
+        raise ReadRateLimited(wait, budget.per_minute)
+    return principal
+
+
+ReaderDep = Annotated[Principal, Depends(get_reader)]
 
 
 def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:

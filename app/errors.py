@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound
@@ -25,6 +26,7 @@ from billing.errors import (
     TenantNotFound,
     TierNotFound,
 )
+from billing.schema_gate import DatabaseNotMigrated
 from deployments.engine.interface import (
     EngineError,
     EngineOverloaded,
@@ -37,7 +39,7 @@ from deployments.engine.interface import (
 log = logging.getLogger(__name__)
 
 
-MAX_MESSAGE_CHARS = 1000
+MAX_MESSAGE_CHARS = 8192  # room for a list of every problem an upload has
 MAX_PARAM_CHARS = 200
 
 
@@ -173,6 +175,34 @@ class GenerationFailed(APIError):
         super().__init__(500, message, type="server_error", code="generation_failed")
 
 
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {
+        "retry-after": str(max(1, math.ceil(seconds))),
+        "retry-after-ms": str(max(1, round(seconds * 1000))),
+    }
+
+
+class TooManyFailedAuthentications(APIError):
+    def __init__(self, retry_after_s: float) -> None:
+        # Says nothing about any key: only that this client has failed too often.
+        message = (
+            "Too many requests with invalid API keys from this client. Please try again in "
+            f"{math.ceil(retry_after_s)}s."
+        )
+        super().__init__(
+            429, message, code="too_many_failed_authentications", headers=_retry_after(retry_after_s)
+        )
+
+
+class ReadRateLimited(APIError):
+    def __init__(self, retry_after_s: float, per_minute: int) -> None:
+        message = (
+            f"Rate limit reached for reads (/v1/models, /v1/usage, /v1/limits): {per_minute} per minute. "
+            f"Please try again in {retry_after_s:.3g}s."
+        )
+        super().__init__(429, message, code="rate_limit_exceeded", headers=_retry_after(retry_after_s))
+
+
 class NotReady(APIError):
     def __init__(self, details: str) -> None:
         super().__init__(
@@ -217,6 +247,14 @@ def to_api_error(error: Exception) -> APIError:
         return APIError(400, str(error), param=error.field, code="invalid_limits")
     if isinstance(error, AdapterError | BillingError | EngineError):
         return APIError(400, str(error))
+    if isinstance(error, DatabaseNotMigrated):  # the operator's to fix: say exactly how
+        return APIError(
+            503, str(error), type="server_error", code="database_not_migrated", headers={"retry-after": "5"}
+        )
+    if isinstance(error, PoolTimeout):  # every pooled connection busy past pool_timeout: overloaded, not down
+        log.warning("database connection pool exhausted: %s", error)
+        message = "The platform's database is busy right now; please retry shortly."
+        return APIError(503, message, type="server_error", code="database_busy", headers={"retry-after": "1"})
     if isinstance(error, OperationalError | InterfaceError):  # unreachable, refusing, or locked: transient
         log.warning("database unavailable: %s", error)
         message = "The platform's database is unavailable right now; please retry shortly."

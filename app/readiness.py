@@ -1,9 +1,11 @@
 """Readiness: whether this ingress can serve requests now, check by check.
 
 Ready means every base model has an engine with its model loaded, the billing database answers
-`SELECT 1`, and the rate limiter backend answers. The checks run concurrently, each bounded by a timeout,
-so a hung dependency makes /readyz say so instead of hanging it. The answer names a failure's kind only; its
-details (hosts, users, driver messages) go to the log, not to whoever can reach /readyz.
+`SELECT 1` at this code's schema revision, and the rate limiter backend answers. The checks run
+concurrently, each bounded by a timeout, so a hung dependency makes /readyz say so instead of hanging it.
+The answer names a failure's kind only; its details (hosts, users, driver messages) go to the log, not to
+whoever can reach /readyz. A database that was never migrated, or is behind, is the exception: the answer
+names the revision found, the one expected and the command that fixes it, which reveal only the release.
 """
 
 import asyncio
@@ -14,6 +16,7 @@ from sqlalchemy import text
 
 from app.limits.peek_cache import PeekCache
 from app.services import Services
+from billing.schema_gate import DatabaseNotMigrated
 
 CHECK_TIMEOUT_S = 2.0
 PROBE = "__readyz__"  # the limiter probe's tenant: nobody's
@@ -45,6 +48,8 @@ class Readiness:
         except TimeoutError:
             log.warning("readiness: %s did not answer within %gs", name, self.timeout_s)
             return f"no answer within {self.timeout_s:g}s"
+        except DatabaseNotMigrated as error:
+            return str(error)
         except Exception as error:
             log.warning("readiness: %s failed: %r", name, error)
             return "failed"  # /readyz is unauthenticated: what failed, and how, goes to the log only

@@ -10,6 +10,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from billing.db import PoolConfig
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore")
@@ -31,6 +33,42 @@ class Settings(BaseSettings):
     )
     adapter_store: Path | None = Field(
         default=None, description="Adapter store root; default data_dir/adapters."
+    )
+    auto_migrate: bool = Field(
+        default=False,
+        description=(
+            "Upgrade the billing database to this version's schema when an ingress replica starts. For "
+            "single-node setups; elsewhere run `loraplex db upgrade` once per release instead."
+        ),
+    )
+    database_pool: PoolConfig = Field(
+        default_factory=PoolConfig,
+        description='The database connection pool of each ingress replica, as JSON: {"size": 5, ...}.',
+    )
+    auth_failure_limit: int = Field(
+        default=100,
+        ge=1,
+        description=(
+            "Failed key lookups one client address may cause per auth_failure_window_s (per ingress "
+            "replica); past it, keys that need a lookup get 429 until the window ends."
+        ),
+    )
+    auth_failure_window_s: float = Field(default=60.0, gt=0, description="Window of auth_failure_limit.")
+    client_ip_header: str = Field(
+        default="",
+        description=(
+            "Header a trusted proxy in front puts the client address in (its last entry is used), e.g. "
+            "x-forwarded-for; empty: the connection's peer address."
+        ),
+    )
+    read_rpm: int = Field(
+        default=120, ge=1, description="Reads (/v1/models, /v1/usage, /v1/limits) per tenant per minute."
+    )
+    read_burst: int = Field(default=60, ge=1, description="Reads a tenant may make at once before read_rpm.")
+    key_last_used_interval_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="An API key's last_used_at is written at most once per this many seconds per replica.",
     )
 
     adapter_cache_ttl_s: float = Field(

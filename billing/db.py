@@ -3,11 +3,12 @@
 Nothing is created at import time: callers build the engine from their settings.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field
 from sqlalchemy import URL, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,15 +24,35 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
-def make_engine(url: str | URL) -> Engine:
+class PoolConfig(BaseModel):
+    """The connection pool of one process's engine. A request that finds every connection busy waits up to
+    `timeout_s`, then fails with sqlalchemy.exc.TimeoutError (the API answers 503 with retry-after)."""
+
+    size: int = Field(default=5, ge=1, description="Connections kept open.")
+    max_overflow: int = Field(
+        default=10, ge=0, description="Extra connections opened under load, then closed."
+    )
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="How long a caller waits for a free connection before failing."
+    )
+
+    def engine_options(self) -> dict[str, Any]:
+        return {"pool_size": self.size, "max_overflow": self.max_overflow, "pool_timeout": self.timeout_s}
+
+
+def make_engine(url: str | URL, pool: PoolConfig | None = None) -> Engine:
+    """`pool`: None keeps SQLAlchemy's defaults (CLI and tools); the ingress passes its settings'."""
     parsed = normalize_url(url)
+    options = {} if pool is None else pool.engine_options()
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(parsed, pool_pre_ping=True)
+        return create_engine(parsed, pool_pre_ping=True, **options)
     database = parsed.database
+    if not database or database == ":memory:":
+        options = {}  # an in-memory database lives in one connection: not a QueuePool to size
     if database and database != ":memory:" and not database.startswith("file:"):
         Path(database).parent.mkdir(parents=True, exist_ok=True)
     # Sessions may hop threads (the ingress runs sync work in a pool); the pool keeps one user per connection.
-    engine = create_engine(parsed, connect_args={"check_same_thread": False})
+    engine = create_engine(parsed, connect_args={"check_same_thread": False}, **options)
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine
 
@@ -46,9 +67,22 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+def make_session_factory(engine: Engine, *, check: Callable[[], None] | None = None) -> sessionmaker[Session]:
+    """`check` runs before every session is made and may refuse it by raising (billing.schema_gate)."""
     # Objects stay readable after commit (e.g. returned to a route after the transaction ends).
-    return sessionmaker(bind=engine, expire_on_commit=False)
+    if check is None:
+        return sessionmaker(bind=engine, expire_on_commit=False)
+    return _CheckedSessions(engine, check)
+
+
+class _CheckedSessions(sessionmaker[Session]):
+    def __init__(self, engine: Engine, check: Callable[[], None]) -> None:
+        super().__init__(bind=engine, expire_on_commit=False)
+        self._check = check
+
+    def __call__(self, **local_kw: Any) -> Session:
+        self._check()
+        return super().__call__(**local_kw)
 
 
 @contextmanager

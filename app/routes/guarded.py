@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from app import log_context
 from app.admin_auth import check_admin_key
 from app.admission import Admission
+from app.client_address import client_address
 from app.errors import APIError
 from app.middleware import request_id_of
 
@@ -29,8 +30,11 @@ class TenantRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def authenticated(request: Request) -> Response:
-            authenticator = request.app.state.services.authenticator
-            principal = await authenticator.authenticate(request.headers.get("authorization"))
+            services = request.app.state.services
+            client = client_address(request, services.settings.client_ip_header)
+            principal = await services.authenticator.authenticate(
+                request.headers.get("authorization"), client
+            )
             request.state.principal = principal
             # Not reset here: a streamed body is sent after this returns. The middleware's reset ends it.
             log_context.bind(tenant=principal.tenant_id)
@@ -38,7 +42,6 @@ class TenantRoute(APIRoute):
                 return await handler(request)
             except (RequestValidationError, APIError) as error:
                 if isinstance(error, RequestValidationError) or error.status in REFUSED_FOR_INPUT:
-                    services = request.app.state.services
                     await Admission.count_refused(
                         services.limiter,
                         tenant=principal.tenant_id,

@@ -11,7 +11,7 @@ from typing import Literal
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
-from app.deps import ServicesDep, TenantDep
+from app.deps import ReaderDep, ServicesDep
 from app.limits import WINDOW_MS, Decision, Limits, WindowState
 from app.limits.peek_cache import PeekCache
 from app.routes.guarded import TenantRoute
@@ -87,7 +87,7 @@ def _headers(state: WindowState, limits: Limits) -> dict[str, str]:
 
 @router.get("/limits")
 async def rate_limits(
-    principal: TenantDep, services: ServicesDep, request: Request, response: Response
+    principal: ReaderDep, services: ServicesDep, request: Request, response: Response
 ) -> RateLimitsOut:
     """The calling tenant's limits and current headroom (at most a second old); reading them consumes
     nothing."""

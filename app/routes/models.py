@@ -4,7 +4,7 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from app.authenticator import Principal
-from app.deps import ServicesDep, TenantDep
+from app.deps import ReaderDep, ServicesDep
 from app.errors import ModelNotFound
 from app.routes.guarded import TenantRoute
 from app.schemas.openai import ModelCard, ModelList
@@ -30,12 +30,12 @@ async def _cards(services: Services, principal: Principal) -> list[ModelCard]:
 
 
 @router.get("/models")
-async def list_models(principal: TenantDep, services: ServicesDep) -> ModelList:
+async def list_models(principal: ReaderDep, services: ServicesDep) -> ModelList:
     return ModelList(data=await _cards(services, principal))
 
 
 @router.get("/models/{model_id:path}")
-async def get_model(model_id: str, principal: TenantDep, services: ServicesDep) -> ModelCard:
+async def get_model(model_id: str, principal: ReaderDep, services: ServicesDep) -> ModelCard:
     card = next((c for c in await _cards(services, principal) if c.id == model_id), None)
     if card is None:
         raise ModelNotFound(model_id)

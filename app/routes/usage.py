@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from app.deps import AdminDep, ServicesDep, TenantDep
+from app.deps import AdminDep, ReaderDep, ServicesDep
 from app.errors import InvalidParameter, NotFound
 from app.routes.guarded import AdminRoute, TenantRoute
 from app.schemas.usage import BillOut, UsageList, UsageRowOut
@@ -50,7 +50,7 @@ def usage_period(start: datetime, end: datetime) -> tuple[datetime, datetime]:
 
 @router.get("/usage")
 def tenant_usage(
-    principal: TenantDep, services: ServicesDep, start: Start, end: End, group_by: GroupByQuery = "hour"
+    principal: ReaderDep, services: ServicesDep, start: Start, end: End, group_by: GroupByQuery = "hour"
 ) -> UsageList:
     """The calling tenant's own usage in [start, end), live: requests and tokens as soon as they are
     recorded. Never another tenant's: the tenant comes from the API key alone."""

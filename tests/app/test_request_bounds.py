@@ -145,10 +145,10 @@ def test_errors_never_echo_unbounded_input(served: Served, tenant: tuple[str, st
     field = "f" * 100_000
     r = post(served, key, "/v1/completions", json={"model": MODEL, "prompt": "hi", field: 1})
     error = assert_error(r, 400)
-    assert len(error["message"]) <= 1000 and len(error["param"]) <= 200
+    assert len(error["message"]) <= 8192 and len(error["param"]) <= 200
     r = post(served, key, "/v1/completions", json={"model": "m" * 100_000, "prompt": "hi"})
     error = assert_error(r, 400, param="model")
-    assert len(r.content) < 2000
+    assert len(r.content) < 10_000
 
 
 def test_an_overloaded_engine_says_so_without_its_internals() -> None:
