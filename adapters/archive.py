@@ -23,6 +23,7 @@ from typing import IO, Literal, Self
 
 from adapters.errors import AdapterInvalid
 from adapters.spec import CONFIG_FILE, WEIGHTS_FILE
+from adapters.zip_directory import ZipDirectory
 
 _CHUNK = 1024 * 1024
 # Tar metadata read between two members' data (ustar/pax/GNU headers, block padding) and the zero padding
@@ -32,6 +33,9 @@ _TAR_HEADER_ALLOWANCE = 64 * 1024
 _TAR_TRAILER_ALLOWANCE = 1024 * 1024  # GNU tar pads the end to its record size (10 KiB by default)
 _MAX_NAME_BYTES = 1024
 _MAX_PART_BYTES = 255  # NAME_MAX
+# Central directory bytes allowed per member: the fixed 46-byte header, the longest name accepted, and room
+# for extra fields and a comment (real zips use a few dozen bytes of extras).
+_ZIP_ENTRY_ALLOWANCE = 46 + _MAX_NAME_BYTES + 2048
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
 _CODE_SUFFIXES = frozenset({".py", ".pyc", ".pyo", ".pyd", ".so", ".dylib", ".dll"})
 _DRIVE = re.compile(r"[A-Za-z]:")
@@ -268,17 +272,17 @@ class _Extraction:
     def make_dir(self, parts: tuple[str, ...], shown: str) -> None:
         target = self.dest.joinpath(*parts)
         self._check_inside(target, shown)
-        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        target.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def write(self, parts: tuple[str, ...], source: IO[bytes], *, declared: int, shown: str) -> None:
         """Copy `source` in chunks, counting what is written against the limits rather than the header."""
         target = self.dest.joinpath(*parts)
         self._check_inside(target, shown)
-        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        # O_EXCL: never through a link or over an earlier member; no exec bits, whatever the archive says.
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # O_EXCL: never through a link or over an earlier member; owner-only, whatever the archive says.
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         written = 0
-        with os.fdopen(os.open(target, flags, 0o644), "wb") as out:
+        with os.fdopen(os.open(target, flags, 0o600), "wb") as out:
             while chunk := source.read(_CHUNK):
                 written += len(chunk)
                 self._written += len(chunk)
@@ -514,7 +518,27 @@ def _zip_refusals(info: zipfile.ZipInfo) -> list[str]:
     return problems
 
 
+def _zip_directory_problems(archive: Path, limits: ArchiveLimits) -> list[str]:
+    """Refusals from the end records alone, before zipfile reads the central directory into memory."""
+    directory = ZipDirectory.read(archive)
+    if directory is None:
+        return []  # no end record: zipfile raises BadZipFile without reading a directory
+    problems = []
+    if directory.entries > limits.max_files:
+        problems.append(f"too many members: more than {limits.max_files} (directories included)")
+    if directory.size > limits.max_files * _ZIP_ENTRY_ALLOWANCE:
+        problems.append(
+            f"zip central directory too large: {directory.size} bytes for at most {limits.max_files} members"
+        )
+    return problems
+
+
 def _extract_zip(archive: Path, ex: _Extraction, filename: str) -> None:
+    refusals = _zip_directory_problems(archive, ex.limits)
+    if refusals:
+        ex.problems += refusals
+        ex.stopped = True
+        return
     try:
         with zipfile.ZipFile(archive) as zf:
             for info in zf.infolist():

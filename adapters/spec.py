@@ -9,24 +9,26 @@ PEFT is imported lazily: the registry imports AdapterStatus from here without lo
 
 import json
 import math
-import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from adapters.errors import AdapterInvalid, UnsupportedAdapter
 from adapters.layout import BaseModelLayout, module_suffix
+from adapters.patterns import PatternError, TargetRule, check_keys, check_pattern, fullmatch, pattern_value
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"  # the only weights format read: never a pickle
 ALL_LINEAR = "all-linear"  # PEFT's shorthand; saved configs normally hold the resolved names instead
 EMBEDDING_MODULES = frozenset({"embed_tokens", "lm_head"})
+# Real adapters use alphas up to a few thousand; far beyond that the folded weights only overflow fp16/bf16.
+MAX_LORA_ALPHA = 65536.0
+_SHOWN_PATTERNS = 5  # refused patterns named one by one; a config may hold a thousand
 
 # Read into AdapterSpec (init_lora_weights is only checked).
 SUPPORTED_OPTIONS = frozenset(
@@ -113,7 +115,10 @@ class AdapterSpec(BaseModel):
     lora_alpha: float = Field(
         strict=True,
         allow_inf_nan=False,
-        description="Default LoRA alpha; scaling is alpha/r, or alpha/sqrt(r) with rsLoRA.",
+        gt=0,
+        le=MAX_LORA_ALPHA,
+        description="Default LoRA alpha; scaling is alpha/r, or alpha/sqrt(r) with rsLoRA. Positive, at most "
+        "MAX_LORA_ALPHA.",
     )
     use_rslora: bool = Field(
         default=False, strict=True, description="Rank-stabilised LoRA: scaling alpha/sqrt(r)."
@@ -137,8 +142,12 @@ class AdapterSpec(BaseModel):
     rank_pattern: dict[str, Annotated[int, Field(gt=0, strict=True)]] = Field(
         default_factory=dict, description="Per-module rank overrides; keys are PEFT pattern keys."
     )
-    alpha_pattern: dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False)]] = Field(
-        default_factory=dict, description="Per-module alpha overrides; keys are PEFT pattern keys."
+    alpha_pattern: dict[
+        str, Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=MAX_LORA_ALPHA)]
+    ] = Field(
+        default_factory=dict,
+        description="Per-module alpha overrides (positive, at most MAX_LORA_ALPHA); keys are PEFT pattern "
+        "keys.",
     )
 
     @classmethod
@@ -157,10 +166,12 @@ class AdapterSpec(BaseModel):
         return max([self.r, *self.rank_pattern.values()])
 
     def rank_for(self, module_path: str) -> int:
-        return self.rank_pattern.get(_pattern_key(self.rank_pattern, module_path), self.r)
+        rank: int = pattern_value(self.rank_pattern, module_path, self.r)
+        return rank
 
     def alpha_for(self, module_path: str) -> float:
-        return self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module_path), self.lora_alpha)
+        alpha: float = pattern_value(self.alpha_pattern, module_path, self.lora_alpha)
+        return alpha
 
     def scaling_for(self, module_path: str) -> float:
         """The factor PEFT multiplies lora_B(lora_A(x)) by in this module (LoraLayer.update_layer)."""
@@ -172,17 +183,14 @@ class AdapterSpec(BaseModel):
         """Whether PEFT would put this adapter on the module at `module_path`."""
         if self.target_pattern == ALL_LINEAR:
             return True  # layouts only hold linear modules
-        targets = self.target_pattern if self.target_pattern is not None else set(self.target_modules)
+        targets = self.target_pattern if self.target_pattern is not None else frozenset(self.target_modules)
         exclude = (
-            set(self.exclude_modules) if isinstance(self.exclude_modules, tuple) else self.exclude_modules
+            frozenset(self.exclude_modules)
+            if isinstance(self.exclude_modules, tuple)
+            else self.exclude_modules
         )
-        view = _peft_view(
-            targets,
-            exclude_modules=exclude,
-            layers_to_transform=self.layers_to_transform,
-            layers_pattern=self.layers_pattern,
-        )
-        return _peft_targets(view, module_path)
+        rule = TargetRule(targets, exclude, self.layers_to_transform, self.layers_pattern)
+        return rule.targets(module_path)
 
 
 @dataclass(frozen=True)
@@ -224,26 +232,38 @@ def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
 
 
 def _pattern_problems(config: Mapping[str, Any]) -> list[str]:
-    """Every regular expression PEFT would evaluate must compile; else PEFT fails later, at load time."""
-    candidates: list[tuple[str, object]] = []
+    """Every pattern PEFT would evaluate must be matchable in linear time (adapters.patterns), as PEFT
+    would use it; anything else is refused before a single module path is matched."""
+    candidates: list[tuple[str, str, dict[str, bool]]] = []
+    problems = []
     for field in ("rank_pattern", "alpha_pattern"):
         value = config.get(field)
         if isinstance(value, dict):
-            candidates += [(f"{field} key {key!r}", key) for key in value]
+            try:
+                check_keys(list(value))
+            except PatternError as exc:
+                problems.append(f"{field} {exc}")
+                continue
+            candidates += [(f"{field} key {key[:80]!r}", key, {"as_key": True}) for key in value]
     for field in ("target_modules", "exclude_modules"):
-        if isinstance(config.get(field), str):
-            candidates.append((field, config[field]))
+        if isinstance(config.get(field), str) and config[field] != ALL_LINEAR:
+            candidates.append((field, config[field], {}))
     layers = config.get("layers_pattern")
-    candidates += [("layers_pattern", p) for p in ([layers] if isinstance(layers, str) else layers or [])]
-    problems = []
-    for where, pattern in candidates:
-        if not isinstance(pattern, str):
-            continue
+    for pattern in [layers] if isinstance(layers, str) else layers if isinstance(layers, list) else []:
+        if isinstance(pattern, str):
+            candidates.append(("layers_pattern", pattern, {"as_layers": True}))
+    refused = []
+    for where, pattern, form in candidates:
         try:
-            re.compile(pattern)
-        except (re.error, RecursionError, OverflowError) as exc:
-            problems.append(f"{where} is not a valid regular expression: {exc}")
-    return problems
+            check_pattern(pattern, **form)
+        except PatternError as exc:
+            refused.append(f"{where} is not a valid regular expression here: it {exc}")
+    more = (
+        [f"and {len(refused) - _SHOWN_PATTERNS} more unusable patterns"]
+        if len(refused) > _SHOWN_PATTERNS
+        else []
+    )
+    return problems + refused[:_SHOWN_PATTERNS] + more
 
 
 def check_adapter_config(config: Mapping[str, Any], *, layout: BaseModelLayout | None = None) -> ConfigCheck:
@@ -317,9 +337,10 @@ def _embedding_target_problems(targets: Any) -> list[str]:
 
 def _safe_fullmatch(pattern: str, name: str) -> bool:
     try:
-        return re.fullmatch(pattern, name) is not None
-    except re.error:
+        check_pattern(pattern)  # an unusable pattern is _pattern_problems' to report
+    except PatternError:
         return False
+    return fullmatch(pattern, name)
 
 
 def _resolve_targets(
@@ -337,7 +358,7 @@ def _resolve_targets(
     names = [t for t in raw if module_suffix(t) not in EMBEDDING_MODULES]
     problems = []
     if layout is not None:
-        missing = [t for t in names if not any(_peft_targets(_peft_view({t}), p) for p in layout.modules)]
+        missing = [t for t in names if not any(TargetRule(frozenset({t})).targets(p) for p in layout.modules)]
         if missing:
             names_missing = ", ".join(sorted(missing))
             problems.append(
@@ -353,29 +374,11 @@ def _resolve_target_string(
         return (tuple(sorted(layout.suffixes)) if layout is not None else ()), raw, []
     if layout is None:  # (the regex itself compiled: _pattern_problems checked it first)
         return (), raw, []
-    matched = [p for p in layout.modules if _peft_targets(_peft_view(raw), p)]
+    matched = [p for p in layout.modules if fullmatch(raw, p)]
     if not matched:
         problem = f"target_modules regex {raw!r} matches none of the base model's servable linear layers"
         return (), raw, [problem]
     return tuple(sorted({module_suffix(p) for p in matched})), raw, []
-
-
-def _peft_view(
-    target_modules: set[str] | str,
-    *,
-    exclude_modules: set[str] | str | None = None,
-    layers_to_transform: Sequence[int] | None = None,
-    layers_pattern: Sequence[str] | None = None,
-) -> SimpleNamespace:
-    """The attributes of a LoraConfig that PEFT's check_target_module_exists reads."""
-    return SimpleNamespace(
-        target_modules=target_modules,
-        exclude_modules=exclude_modules,
-        modules_to_save=None,
-        target_parameters=None,
-        layers_to_transform=list(layers_to_transform) if layers_to_transform is not None else None,
-        layers_pattern=list(layers_pattern) if layers_pattern is not None else None,
-    )
 
 
 def _as_tuple(value: Any) -> Any:
@@ -427,17 +430,3 @@ def _peft_config_problems(config: Mapping[str, Any]) -> list[str]:
     except Exception as exc:  # PEFT raises TypeError/ValueError/ImportError, and no narrower contract
         return [f"PEFT cannot parse the adapter config: {exc}"]
     return []
-
-
-def _pattern_key(patterns: Mapping[str, Any], module_path: str) -> str:
-    if not patterns:
-        return module_path
-    from peft.utils.other import get_pattern_key
-
-    return get_pattern_key(list(patterns), module_path)
-
-
-def _peft_targets(view: SimpleNamespace, module_path: str) -> bool:
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    return bool(check_target_module_exists(view, module_path))

@@ -2,12 +2,14 @@
 
 Layout: `root/<adapter_id>/v<N>/{adapter_config.json, adapter_model.safetensors}`. A version becomes visible
 only through one `os.rename` of a fully written and fsynced staging directory, so readers never see a half
-version and a crash leaves at most a stale `root/.tmp/<uuid>` behind (see `cleanup_tmp`). Renaming a
-directory onto a non-empty one fails, which is how concurrent writers detect that a version was taken.
+version and a crash leaves at most a stale `root/.tmp/<uuid>` behind (`cleanup_tmp` removes it at ingress
+startup). Renaming a directory onto a non-empty one fails, which is how concurrent writers detect that a
+version was taken. Everything is created owner-only (0700/0600): tenants' weights are nobody else's.
 Version numbers are never reused: `delete_version` leaves a `v<N>.deleted` tombstone, so an AdapterRef
 keeps naming the same bytes for as long as the adapter id exists.
 """
 
+import contextlib
 import errno
 import os
 import re
@@ -24,6 +26,8 @@ ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _VERSION_DIR = re.compile(r"v([1-9][0-9]*)")
 _TOMBSTONE = re.compile(r"v([1-9][0-9]*)\.deleted")
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
 _MAX_PUBLISH_ATTEMPTS = 10_000  # only reached if versions are taken faster than we can list them
 
 
@@ -32,8 +36,10 @@ class AdapterStore:
         self.root = root
         self._tmp = root / ".tmp"
         self._trash = root / ".trash"
+        # Owner-only from creation (tenants' weights); parents above the root are the operator's.
+        root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         for directory in (self._tmp, self._trash):
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=_DIR_MODE, exist_ok=True)
 
     def put_dir(self, adapter_id: str, src_dir: Path) -> AdapterRef:
         """Copy the adapter's two files from `src_dir` into a new version: highest existing + 1, from 1."""
@@ -45,7 +51,7 @@ class AdapterStore:
         if problems:
             raise AdapterInvalid(problems)
         staging = self._tmp / uuid.uuid4().hex
-        staging.mkdir()
+        staging.mkdir(mode=_DIR_MODE)
         try:
             for name in ADAPTER_FILES:
                 _copy_durably(src_dir / name, staging / name)
@@ -88,32 +94,21 @@ class AdapterStore:
         version_dir = self.path(ref)
         # Tombstone first: a writer that lists the directory from now on counts this number as taken.
         try:
-            (version_dir.parent / f"v{ref.version}.deleted").touch()
+            (version_dir.parent / f"v{ref.version}.deleted").touch(mode=_FILE_MODE)
         except FileNotFoundError:  # the whole adapter was deleted meanwhile
             raise AdapterNotFound(str(ref)) from None
         _fsync_dir(version_dir.parent)
         self._discard(version_dir, not_found=str(ref))
 
     def cleanup_tmp(self, max_age_s: float) -> int:
-        """Remove staging and trash dirs older than `max_age_s` (left by crashes). Returns how many."""
-        cutoff = time.time() - max_age_s
-        removed = 0
-        for directory in (self._tmp, self._trash):
-            for entry in directory.iterdir():
-                try:
-                    stale = entry.stat().st_mtime < cutoff
-                except FileNotFoundError:
-                    continue  # finished or removed meanwhile
-                if stale:
-                    shutil.rmtree(entry, ignore_errors=True)
-                    removed += 1
-        return removed
+        """Remove staging and trash dirs untouched for `max_age_s` (left by crashes). Returns how many."""
+        return sum(remove_stale(directory, max_age_s) for directory in (self._tmp, self._trash))
 
     def _publish(self, adapter_id: str, staging: Path) -> AdapterRef:
         adapter_dir = self.root / adapter_id
         version = self._next_version(adapter_id)
         for _ in range(_MAX_PUBLISH_ATTEMPTS):
-            adapter_dir.mkdir(exist_ok=True)
+            adapter_dir.mkdir(mode=_DIR_MODE, exist_ok=True)
             try:
                 os.rename(staging, adapter_dir / f"v{version}")
             except FileNotFoundError:  # the adapter was deleted between mkdir and rename
@@ -150,6 +145,40 @@ class AdapterStore:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def remove_stale(directory: Path, max_age_s: float) -> int:
+    """Remove the entries of `directory` in which nothing was written for `max_age_s`: what a process killed
+    mid-upload or mid-publish left. An entry still being written stays, since its newest mtime (the files
+    inside included: appending to a file does not touch its directory) is recent. Returns how many."""
+    cutoff = time.time() - max_age_s
+    removed = 0
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        try:
+            stale = _newest_mtime(entry) < cutoff
+        except FileNotFoundError:
+            continue  # finished or removed meanwhile
+        if stale:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _newest_mtime(entry: Path) -> float:
+    newest = entry.lstat().st_mtime
+    if entry.is_dir() and not entry.is_symlink():
+        for parent, dirs, files in os.walk(entry):
+            for name in [*dirs, *files]:
+                with contextlib.suppress(FileNotFoundError):
+                    newest = max(newest, os.lstat(os.path.join(parent, name)).st_mtime)
+    return newest
+
+
 def _check_id(adapter_id: str) -> None:
     if not isinstance(adapter_id, str) or _ADAPTER_ID.fullmatch(adapter_id) is None:
         rule = "1-128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
@@ -157,7 +186,8 @@ def _check_id(adapter_id: str) -> None:
 
 
 def _copy_durably(src: Path, dst: Path) -> None:
-    with src.open("rb") as reader, dst.open("xb") as writer:
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
+    with src.open("rb") as reader, os.fdopen(fd, "wb") as writer:
         shutil.copyfileobj(reader, writer, length=1 << 20)
         writer.flush()
         os.fsync(writer.fileno())

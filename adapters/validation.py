@@ -24,6 +24,8 @@ from adapters.weights import is_training_only_key, parse_lora_key
 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
 SERVABLE_DTYPES = ("F32", "F16", "BF16")  # safetensors dtype names
+# The narrowest dtype an engine may hold LoRA weights in: finite there is finite in bf16 and fp32 too.
+SERVED_DTYPE = torch.float16
 _SHOWN_KEYS = 5
 
 
@@ -156,8 +158,22 @@ def _check_tensor(
     tensor = tensors.get_tensor(key)  # one tensor at a time
     if torch.isnan(tensor).any():
         found.invalid.append(f"tensor {key} contains NaN")
-    if torch.isinf(tensor).any():
+    elif torch.isinf(tensor).any():
         found.invalid.append(f"tensor {key} contains Inf")
+    else:
+        _check_served(key, tensor, spec.scaling_for(module_path) if spec and which == "B" else 1.0, found)
+
+
+def _check_served(key: str, tensor: torch.Tensor, scaling: float, found: _Findings) -> None:
+    """The tensor as an engine holds it (weights.load_adapter_weights: B times alpha/r, folded in float32,
+    then cast) must stay finite: finite weights times a huge alpha overflow to Inf in half precision."""
+    served = (tensor.to(torch.float32) * scaling).to(SERVED_DTYPE)
+    if not torch.isfinite(served).all():
+        largest = float(tensor.to(torch.float32).abs().max()) * scaling
+        found.invalid.append(
+            f"tensor {key} overflows to Inf as served: scaled by lora_alpha/r = {scaling:g} its largest "
+            f"value {largest:.4g} exceeds what {SERVED_DTYPE} holds ({torch.finfo(SERVED_DTYPE).max:g})"
+        )
 
 
 def _check_shape(

@@ -91,10 +91,14 @@ def load_adapter_weights(
             )
             continue
         # Fold in float32 so that fp16/bf16 adapters lose precision once, at the final cast.
-        folded_b = b.to(torch.float32) * spec.scaling_for(module_path)
+        served_a = a.to(dtype)
+        served_b = (b.to(torch.float32) * spec.scaling_for(module_path)).to(dtype)
+        # Checked as served, on the CPU: finite weights times a huge alpha/r can overflow in fp16/bf16.
+        if not (torch.isfinite(served_a).all() and torch.isfinite(served_b).all()):
+            problems.append(f"module {module_path} has NaN or Inf weights once scaled and cast to {dtype}")
+            continue
         modules[module_path] = LoRAModuleWeights(
-            a=a.to(device=device, dtype=dtype).contiguous(),
-            b=folded_b.to(device=device, dtype=dtype).contiguous(),
+            a=served_a.to(device=device).contiguous(), b=served_b.to(device=device).contiguous()
         )
     if problems:
         raise AdapterInvalid(problems)

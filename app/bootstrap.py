@@ -1,6 +1,6 @@
 """build_services: wire settings, database, catalog and an engine client into Services."""
 
-from adapters.store import AdapterStore
+from adapters.store import AdapterStore, remove_stale
 from app.adapter_resolver import AdapterResolver
 from app.auth_failures import FailureThrottle
 from app.authenticator import Authenticator
@@ -15,6 +15,7 @@ from app.metering.outbox import Outbox
 from app.request_metrics import RequestMetrics
 from app.services import Services
 from app.settings import Settings
+from app.upload import UPLOADS_DIR
 from billing import migrate
 from billing.db import make_engine, make_session_factory
 from billing.schema_gate import SchemaGate
@@ -42,6 +43,10 @@ def build_services(
     secret = settings.resolved_key_secret()
     outbox = Outbox(settings.data_dir / "outbox.sqlite")
     delivery = UsageDelivery(outbox, metering or DatabaseSink(session_factory))
+    store = AdapterStore(settings.resolved_adapter_store())
+    # What uploads killed mid-way left behind; nothing else ever removes it.
+    store.cleanup_tmp(settings.leftover_max_age_s)
+    remove_stale(settings.data_dir / UPLOADS_DIR, settings.leftover_max_age_s)
     return Services(
         settings=settings,
         key_secret=secret,
@@ -58,7 +63,7 @@ def build_services(
         catalog=ModelCatalog.from_specs(models),
         engine=engine,
         adapters=AdapterResolver(session_factory, ttl=settings.adapter_cache_ttl_s),
-        store=AdapterStore(settings.resolved_adapter_store()),
+        store=store,
         limiter=limiter or LocalLimiter(),
         limiter_fail_open=limiter_fail_open,
         delivery=delivery,

@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.private_files import write_secret
 from billing.db import PoolConfig
 
 
@@ -33,6 +34,14 @@ class Settings(BaseSettings):
     )
     adapter_store: Path | None = Field(
         default=None, description="Adapter store root; default data_dir/adapters."
+    )
+    leftover_max_age_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description=(
+            "At ingress startup, upload and store staging left untouched this long (by a process killed "
+            "mid-upload) is removed; anything written to more recently is an upload still in progress."
+        ),
     )
     auto_migrate: bool = Field(
         default=False,
@@ -108,10 +117,8 @@ class Settings(BaseSettings):
             return self.key_secret.get_secret_value().encode()
         path = self.data_dir / "key_secret"
         if not path.exists():
-            self.data_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.data_dir / f".key_secret.{secrets.token_hex(4)}"
-            tmp.write_text(secrets.token_urlsafe(32))
-            tmp.chmod(0o600)
+            write_secret(tmp, secrets.token_urlsafe(32))  # 0600 from creation: never readable by others
             try:  # link is atomic and fails if another process won the race: everyone reads one secret
                 os.link(tmp, path)
             except FileExistsError:

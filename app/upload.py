@@ -29,6 +29,7 @@ from app.errors import InvalidParameter, PayloadTooLarge
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
 
+UPLOADS_DIR = "uploads"  # under data_dir: where uploads are received (swept at startup, app/bootstrap.py)
 MAX_FIELD_BYTES = 4 * 1024
 # File data is handed to a worker thread in batches of this size: disk writes (which can block for long
 # under dirty-page throttling on multi-GB uploads) stay off the event loop, without a thread hop per chunk.
@@ -225,7 +226,7 @@ class _Receiver:
 
 
 def _make_directory(directory: Path) -> None:
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # uploads are nobody else's to read
     directory.mkdir(mode=0o700)
 
 

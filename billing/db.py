@@ -3,6 +3,7 @@
 Nothing is created at import time: callers build the engine from their settings.
 """
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,11 +51,18 @@ def make_engine(url: str | URL, pool: PoolConfig | None = None) -> Engine:
     if not database or database == ":memory:":
         options = {}  # an in-memory database lives in one connection: not a QueuePool to size
     if database and database != ":memory:" and not database.startswith("file:"):
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
+        _create_private_file(Path(database))
     # Sessions may hop threads (the ingress runs sync work in a pool); the pool keeps one user per connection.
     engine = create_engine(parsed, connect_args={"check_same_thread": False}, **options)
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def _create_private_file(path: Path) -> None:
+    """The database file, created 0600 before SQLite opens it: SQLite would create it under the umask,
+    readable by everyone, and gives its -wal/-shm files the database file's mode."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

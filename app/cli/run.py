@@ -21,6 +21,7 @@ import typer
 import yaml
 
 from app.cli.common import fail
+from app.private_files import write_secret
 from app.settings import Settings
 
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent dies
@@ -35,8 +36,8 @@ def _admin_key(settings: Settings) -> tuple[str, bool]:
     if path.exists():
         return path.read_text().strip(), False
     key = f"lp-admin-{secrets.token_urlsafe(24)}"
-    path.write_text(key)
-    path.chmod(0o600)
+    if not write_secret(path, key):  # another `up` wrote one meanwhile: use that
+        return path.read_text().strip(), False
     return key, True
 
 

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from app.private_files import create_private_file
 from billing.usage import UsageRecord
 
 _DATETIME_FIELDS = {"started_at", "finished_at"}
@@ -38,7 +39,7 @@ def _decode(text: str) -> UsageRecord:
 
 class Outbox:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        create_private_file(path)  # 0600 before SQLite opens it (its -wal/-shm files copy the mode)
         self.path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=10, isolation_level=None, check_same_thread=False)

@@ -8,7 +8,7 @@ from app.deps import AdminDep, ServicesDep
 from app.routes.guarded import AdminRoute
 from app.schemas.adapters import AdapterList, AdapterOut, AdapterPatch, AdapterVersionOut
 from app.services import Services
-from app.upload import receive_upload
+from app.upload import UPLOADS_DIR, receive_upload
 from billing import adapter_registry
 from billing.adapter_registry import PUBLIC_PREFIX, LiveAdapter
 from billing.models import PUBLIC_OWNER
@@ -46,7 +46,7 @@ async def upload_adapter(request: Request, _: AdminDep, services: ServicesDep) -
     settings = services.settings
     upload = await receive_upload(
         request,
-        tmp_root=settings.data_dir / "uploads",
+        tmp_root=settings.data_dir / UPLOADS_DIR,
         max_bytes=settings.max_upload_mb * 2**20,
         allowed_file_fields=FILE_FIELDS,
     )

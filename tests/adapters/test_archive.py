@@ -4,6 +4,7 @@ outside it."""
 
 import gzip
 import io
+import os
 import stat
 import struct
 import tarfile
@@ -12,7 +13,7 @@ import zipfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -636,3 +637,75 @@ def test_unsupported_zip_compression(upload: Path, refuse: Refuse) -> None:
 def test_unsupported_suffix(filename: str, upload: Path, refuse: Refuse) -> None:
     error = refuse(write_tgz(upload / "a.tgz", adapter_members()), filename=filename)
     assert error.problems == [f"unsupported archive type: {filename} (upload a .tar.gz, .tgz or .zip)"]
+
+
+# The central directory, judged before zipfile reads it -----------------------------------------------------
+
+
+def forbid_zipfile(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Records every zipfile.ZipFile built from now on: none may be, for a zip refused by its end record."""
+    built: list[object] = []
+
+    class Recording(zipfile.ZipFile):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(zipfile, "ZipFile", Recording)  # the module adapters.archive reads it from
+    return built
+
+
+def end_record_at(data: bytes) -> int:
+    return data.rindex(b"PK\x05\x06")
+
+
+def test_too_many_zip_entries_are_refused_from_the_end_record(
+    upload: Path, refuse: Refuse, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entries = [*adapter_zip_entries(), *((f"n{i}.txt", b"") for i in range(2000))]
+    archive = write_zip(upload / "a.zip", entries)
+    built = forbid_zipfile(monkeypatch)
+    error = refuse(archive)
+    assert "too many members: more than 16 (directories included)" in error.problems
+    assert built == []
+
+
+def test_an_end_record_understating_the_entry_count_is_refused_by_directory_size(
+    upload: Path, refuse: Refuse, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zipfile reads the directory by its declared size: 2000 entries behind a count of 2 are all parsed."""
+    entries = [*adapter_zip_entries(), *((f"n{i}.txt", b"") for i in range(2000))]
+    data = bytearray(write_zip(upload / "a.zip", entries).read_bytes())
+    at = end_record_at(bytes(data))
+    struct.pack_into("<2H", data, at + 8, 2, 2)  # entries on this disk, entries in all
+    (upload / "a.zip").write_bytes(data)
+    built = forbid_zipfile(monkeypatch)
+    error = refuse(upload / "a.zip")
+    assert len(error.problems) == 1 and error.problems[0].startswith("zip central directory too large")
+    assert built == []
+
+
+def test_a_zip64_end_record_is_read_too(
+    upload: Path, refuse: Refuse, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = write_zip(upload / "a.zip", adapter_zip_entries()).read_bytes()
+    at = end_record_at(data)
+    _, _, _, _, _, size, offset, _ = struct.unpack_from("<4s4H2LH", data, at)
+    zip64 = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 10**9, 10**9, size, offset)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, at, 1)
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, size, offset, 0)
+    (upload / "a.zip").write_bytes(data[:at] + zip64 + locator + end)
+    built = forbid_zipfile(monkeypatch)
+    error = refuse(upload / "a.zip")
+    assert error.problems == ["too many members: more than 16 (directories included)"]
+    assert built == []
+
+
+def test_extracted_files_are_owner_only(upload: Path, tmp_path: Path) -> None:
+    previous = os.umask(0o022)  # permissive: modes must come from creation, not the umask
+    try:
+        root = extract(write_zip(upload / "a.zip", adapter_zip_entries("adapter/")), tmp_path)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in root.iterdir()} == {0o600}

@@ -1,5 +1,6 @@
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -127,7 +128,8 @@ def test_crash_leftovers_are_invisible_and_cleaned(store: AdapterStore, src: Pat
     leftover.mkdir()
     (leftover / CONFIG_FILE).write_text("{}")
     old = time.time() - 3600
-    os.utime(leftover, (old, old))
+    for path in (leftover / CONFIG_FILE, leftover):  # nothing inside written lately either
+        os.utime(path, (old, old))
     fresh = store.root / ".tmp" / "inprogress"
     fresh.mkdir()
     assert store.put_dir("a", src).version == 1
@@ -213,3 +215,40 @@ def test_store_and_spec_import_without_the_model_stack() -> None:
     code = f"import sys, adapters.store, adapters.spec; print(sorted({heavy} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_everything_in_the_store_is_owner_only(tmp_path: Path, src: Path) -> None:
+    previous = os.umask(0o022)  # permissive: modes must come from creation, not the umask
+    try:
+        store = AdapterStore(tmp_path / "store")
+        ref = store.put_dir("a1", src)
+        store.put_dir("a1", src)
+        store.delete_version(ref)
+    finally:
+        os.umask(previous)
+    paths = [store.root, *store.root.rglob("*")]
+    modes = {p.relative_to(store.root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in paths}
+    assert modes == {
+        ".": 0o700,
+        ".tmp": 0o700,
+        ".trash": 0o700,
+        "a1": 0o700,
+        "a1/v2": 0o700,
+        f"a1/v2/{CONFIG_FILE}": 0o600,
+        f"a1/v2/{WEIGHTS_FILE}": 0o600,
+        "a1/v1.deleted": 0o600,
+    }
+
+
+def test_a_staging_dir_still_being_written_is_not_swept(store: AdapterStore) -> None:
+    """A long copy appends to a file without touching its directory: the newest mtime inside counts."""
+    staging = store.root / ".tmp" / "busy"
+    staging.mkdir()
+    (staging / WEIGHTS_FILE).write_bytes(b"x")
+    old = time.time() - 7200
+    os.utime(staging, (old, old))
+    assert store.cleanup_tmp(max_age_s=600) == 0
+    assert staging.exists()
+    os.utime(staging / WEIGHTS_FILE, (old, old))
+    assert store.cleanup_tmp(max_age_s=600) == 1
+    assert not staging.exists()

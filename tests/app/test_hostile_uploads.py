@@ -14,6 +14,7 @@ import os
 import pickle
 import random
 import stat
+import struct
 import tarfile
 import threading
 import time
@@ -1154,6 +1155,149 @@ def test_non_finite_lora_alpha_is_refused(
     config.pop(field)
     text = json.dumps(config)[:-1] + ", " + alpha_json + "}"
     refuse(served, mentions=[field], data=form(owner), files=two_parts(text.encode(), weights_bytes))
+
+
+CATASTROPHIC = "(.+)+z"  # Python's re backtracks for minutes on a 30-character module path
+ALTERNATION = "(.|.)*z"  # the (a|a)*b kind: two ways to match each character, 2^n paths to try
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        pytest.param({"target_modules": CATASTROPHIC}, 400, id="target_modules"),
+        pytest.param({"exclude_modules": CATASTROPHIC}, 201, id="exclude_modules"),
+        pytest.param({"rank_pattern": {CATASTROPHIC: 4}}, 201, id="rank_pattern"),
+        pytest.param({"alpha_pattern": {CATASTROPHIC: 4.0}}, 201, id="alpha_pattern"),
+        pytest.param({"target_modules": ALTERNATION}, 400, id="alternation-target_modules"),
+        pytest.param({"rank_pattern": {ALTERNATION: 4}}, 201, id="alternation-rank_pattern"),
+        pytest.param(
+            {"layers_to_transform": [0], "layers_pattern": CATASTROPHIC, "target_modules": ["q_proj"]},
+            400,
+            id="layers_pattern",
+        ),
+    ],
+)
+def test_catastrophic_regex_in_the_config_is_answered_within_a_second(
+    served: Served,
+    owner: str,
+    demo_dir: Path,
+    weights_bytes: bytes,
+    changes: dict[str, Any],
+    expected: int,
+) -> None:
+    config = {**demo_config(demo_dir), **changes}
+    name = f"regex-{uuid.uuid4().hex[:8]}"
+    files = two_parts(json.dumps(config).encode(), weights_bytes)
+    post(served, data=form(owner, name="warm-up"), files=files)  # first-upload costs are not the regex's
+    started = time.monotonic()
+    response = post(served, data=form(owner, name=name), files=files)
+    elapsed = time.monotonic() - started
+    assert response.status_code == expected, response.text
+    assert elapsed < 1.0, f"answered in {elapsed:.2f}s"
+    if expected == 400:
+        assert "error" in response.json()
+    assert_no_leftovers(served)
+
+
+@pytest.mark.parametrize("pattern", [r"(q)\1_proj", r"(?=q)q_proj", "q" * 300])
+def test_regex_that_cannot_be_matched_safely_is_refused(
+    served: Served, owner: str, demo_dir: Path, weights_bytes: bytes, pattern: str
+) -> None:
+    config = {**demo_config(demo_dir), "target_modules": pattern}
+    refuse(
+        served,
+        mentions=["target_modules is not a valid regular expression here"],
+        code="invalid_adapter",
+        data=form(owner),
+        files=two_parts(json.dumps(config).encode(), weights_bytes),
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lora_alpha", 1e30),
+        ("lora_alpha", 0),
+        ("lora_alpha", -16),
+        ("lora_alpha", 65537.0),
+        ("alpha_pattern", {"q_proj": 1e30}),
+        ("alpha_pattern", {"q_proj": -1.0}),
+    ],
+    ids=["huge", "zero", "negative", "just-over", "pattern-huge", "pattern-negative"],
+)
+def test_absurd_lora_alpha_is_refused_by_name(
+    served: Served, owner: str, demo_dir: Path, weights_bytes: bytes, field: str, value: Any
+) -> None:
+    config = {**demo_config(demo_dir), field: value}
+    refuse(
+        served,
+        mentions=[field],
+        code="invalid_adapter",
+        data=form(owner),
+        files=two_parts(json.dumps(config).encode(), weights_bytes),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_weights_that_overflow_once_scaled_are_refused(
+    served: Served, owner: str, tmp_path: Path, demo_dir: Path, dtype: torch.dtype
+) -> None:
+    """Finite weights, an alpha within bounds: B times alpha/r is Inf once cast to half precision."""
+    config = demo_config(demo_dir)
+    config["lora_alpha"] = 60000.0
+    tensors = {name: tensor.to(dtype) for name, tensor in demo_tensors(demo_dir).items()}
+    target = key(1, "o_proj", "B")
+    tensors[target][17, 3] = 10.0  # x 60000/8 = 75000 > 65504, float16's largest
+    refuse(
+        served,
+        mentions=[f"tensor {target} overflows to Inf as served"],
+        code="invalid_adapter",
+        data=form(owner),
+        files=two_parts(json.dumps(config).encode(), safetensors_bytes(tensors, tmp_path)),
+    )
+
+
+def many_entries_zip(count: int) -> bytes:
+    """A stored zip of `count` empty members, written straight (zipfile would keep every ZipInfo)."""
+    local, central = io.BytesIO(), io.BytesIO()
+    for i in range(count):
+        name = f"{i:06d}".encode()
+        offset = local.tell()
+        local.write(struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, 0, 0, 0, len(name), 0) + name)
+        central.write(
+            struct.pack(
+                "<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0x21, 0, 0, 0, len(name), 0, 0, 0, 0, 0, offset
+            )
+            + name
+        )
+    entries = min(count, 0xFFFF)
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, entries, entries, central.tell(), local.tell(), 0)
+    return local.getvalue() + central.getvalue() + end
+
+
+def test_zip_with_too_many_entries_is_refused_before_its_directory_is_read(
+    served: Served, owner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """50k entries: zipfile would build 50k ZipInfo objects before the member limit ever applied."""
+    data = many_entries_zip(50_000)
+    opened: list[object] = []
+
+    class NoZipFile(zipfile.ZipFile):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            opened.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr("adapters.archive.zipfile.ZipFile", NoZipFile)
+    started = time.monotonic()
+    refuse(
+        served,
+        mentions=["too many members: more than 16"],
+        code="invalid_adapter",
+        data=form(owner),
+        files=one_file("many.zip", data),
+    )
+    assert time.monotonic() - started < 5
+    assert opened == [], "zipfile.ZipFile was built for an archive refused by its end record"
 
 
 # --- positive control ------------------------------------------------------------------------------------
