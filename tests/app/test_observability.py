@@ -73,9 +73,7 @@ def test_readyz_names_a_limiter_outage(served: Served, monkeypatch: pytest.Monke
     response = httpx.get(f"{served.url}/readyz", timeout=10)
     assert response.status_code == 503
     body = response.json()
-    assert (
-        "limiter" in body["error"]["message"] and body["checks"]["limiter"] == "failed"
-    )
+    assert "limiter" in body["error"]["message"] and body["checks"]["limiter"] == "failed"
     assert body["checks"]["database"] == "ok" and body["checks"][f"engine:{MODEL}"] == "ok"
 
 
