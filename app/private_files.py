@@ -4,7 +4,9 @@ Modes are given when a file is created (os.open with a mode), never fixed by a c
 afterwards, which leaves a window in which another user can open it; the umask can only take bits away.
 """
 
+import contextlib
 import os
+import secrets
 from pathlib import Path
 
 PRIVATE_FILE_MODE = 0o600
@@ -28,4 +30,20 @@ def write_secret(path: Path, text: str) -> bool:
         out.write(text)
         out.flush()
         os.fsync(out.fileno())
+    return True
+
+
+def publish_secret(path: Path, text: str) -> bool:
+    """Put a new secret at `path` whole or not at all: written (0600) under a temporary name, then linked
+    into place, so neither a crash mid-write nor a concurrent reader ever finds it empty or partial there.
+    False if a secret was there already (another process won): read that one."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    try:
+        write_secret(tmp, text)
+        os.link(tmp, path)  # atomic, and never replaces: every process ends up reading one secret
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
     return True

@@ -3,14 +3,13 @@
 Built by the caller (a deployment's constructor, the CLI), never at import time.
 """
 
-import os
 import secrets
 from pathlib import Path
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.private_files import write_secret
+from app.private_files import publish_secret
 from billing.db import PoolConfig
 
 
@@ -116,13 +115,6 @@ class Settings(BaseSettings):
         if self.key_secret.get_secret_value():
             return self.key_secret.get_secret_value().encode()
         path = self.data_dir / "key_secret"
-        if not path.exists():
-            tmp = self.data_dir / f".key_secret.{secrets.token_hex(4)}"
-            write_secret(tmp, secrets.token_urlsafe(32))  # 0600 from creation: never readable by others
-            try:  # link is atomic and fails if another process won the race: everyone reads one secret
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
+        if not path.exists():  # 0600 from creation, linked into place whole; a concurrent winner's is kept
+            publish_secret(path, secrets.token_urlsafe(32))
         return path.read_text().strip().encode()

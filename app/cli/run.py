@@ -21,7 +21,7 @@ import typer
 import yaml
 
 from app.cli.common import fail
-from app.private_files import write_secret
+from app.private_files import publish_secret
 from app.settings import Settings
 
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent dies
@@ -36,7 +36,7 @@ def _admin_key(settings: Settings) -> tuple[str, bool]:
     if path.exists():
         return path.read_text().strip(), False
     key = f"lp-admin-{secrets.token_urlsafe(24)}"
-    if not write_secret(path, key):  # another `up` wrote one meanwhile: use that
+    if not publish_secret(path, key):  # another `up` wrote one meanwhile: use that
         return path.read_text().strip(), False
     return key, True
 

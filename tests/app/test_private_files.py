@@ -96,3 +96,28 @@ def test_leftovers_of_killed_uploads_are_swept_at_startup(tmp_path: Path) -> Non
     build_services(settings, LocalEngineClient({}), {})
     assert [p for p in leftovers if p.exists()] == []
     assert [p for p in in_progress if not p.exists()] == []
+
+
+@pytest.mark.parametrize("which", ["admin_key", "key_secret"])
+def test_a_secret_interrupted_mid_write_is_never_left_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """A crash before the secret is on disk must not leave an empty or partial file under its real name:
+    the next start would read it (an empty admin key disables the admin API for good)."""
+
+    def crash(fd: int) -> None:
+        raise OSError("killed mid-write")
+
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", crash)
+    settings = Settings(data_dir=tmp_path, admin_key="")
+    with pytest.raises(OSError, match="killed mid-write"):
+        _admin_key(settings) if which == "admin_key" else settings.resolved_key_secret()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(os, "fsync", real_fsync)  # the next start
+    if which == "admin_key":
+        key, generated = _admin_key(settings)
+        assert generated and key.startswith("lp-admin-")
+    else:
+        assert settings.resolved_key_secret()
+    assert mode(tmp_path / which) == 0o600
