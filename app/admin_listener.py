@@ -28,7 +28,10 @@ class AdminListener:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self.socket.bind((host, port))
         self.port = int(self.socket.getsockname()[1])
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        # log_config=None: uvicorn's own logging setup would close every handler the process has (Serve's
+        # log files among them) through logging.config.dictConfig.
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.socket]}, name="admin-listener", daemon=True
         )

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from billing.db import make_engine, make_session_factory
 from billing.models import Tier
 from tests.e2e.conftest import ServeApp
 
@@ -55,7 +54,7 @@ def wait_for_samples(
 
 def limited_tenant(app: ServeApp, **limits: object) -> tuple[str, str]:
     tier = f"obs-{uuid.uuid4().hex[:8]}"
-    sessions = make_session_factory(make_engine(f"sqlite:///{app.data_dir / 'loraplex.db'}"))
+    sessions = app.sessions()  # the app's own database: PostgreSQL under CI
     with sessions() as session, session.begin():
         session.add(Tier(name=tier, description="e2e", **limits))
     return app.new_tenant(f"obs-{uuid.uuid4().hex[:8]}", tier=tier)

@@ -32,10 +32,9 @@ def deploy(serve_app: ServeApp, rate_limiter: dict[str, object]) -> None:
 
 
 def limited_tenant(serve_app: ServeApp, **limits: object) -> str:
-    from billing.db import make_engine, make_session_factory
 
     tier = f"e2e-{uuid.uuid4().hex[:8]}"
-    sessions = make_session_factory(make_engine(f"sqlite:///{serve_app.data_dir / 'loraplex.db'}"))
+    sessions = serve_app.sessions()  # the app's own database: PostgreSQL under CI
     with sessions() as session, session.begin():
         session.add(Tier(name=tier, description="e2e", **limits))
     return serve_app.new_tenant(f"rl-{uuid.uuid4().hex[:8]}", tier=tier)[1]
