@@ -12,7 +12,7 @@ per request served (failed/aborted rows only for requests that failed), tokens a
 totals equal to the rollups once the stub is healed (`loraplex billing reconcile`).
 
 Run: python -m bench.load_test --duration 300 [--faults engine,metering,db,redis,stripe]
-     [--backend ray|redis] [--database sqlite|postgres] [--users 8] [--keep]
+     [--backend ray|redis] [--database sqlite|postgres] [--users 8] [--keep] [--tiny]
 The last line is one JSON object; the exit status is 1 if any invariant failed.
 """
 
@@ -902,7 +902,15 @@ def parse(argv: list[str] | None) -> Options:
     parser.add_argument("--users", type=int, default=8, help="concurrent simulated clients (default 8)")
     parser.add_argument("--outage", type=float, default=None, help="seconds each db/redis outage lasts")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, database) afterwards")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the least load the checks accept (20 s, 4 users), faults only if asked: checks that it runs; "
+        "still a few minutes, as Ray and `serve run` start",
+    )
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.duration, args.users = 20.0, 4
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:

@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -95,21 +96,30 @@ def kill(deployment: str, expected: dict[str, int], timeout: float) -> dict[str,
     }
 
 
-def leases() -> dict[str, Any]:
-    """Live (unexpired) concurrency leases and queued waiters per tenant, read inside the limiter actor."""
+def lease_counter() -> Callable[[Any], dict[str, dict[str, Any]]]:
+    """What `leases` runs inside the limiter actor: live leases and waiters per tenant."""
 
     # Nested, so that cloudpickle ships it by value: the actor's worker cannot import bench/.
     def count(actor: Any) -> dict[str, dict[str, Any]]:
-        now = actor.state.now_ms()
+        state = actor.state
+        while not hasattr(state, "_tenants"):  # the LimiterState, inside its WaitingState (or more wrappers)
+            state = state.state
+        now = state.now_ms()
         return {
             tenant: {
                 "leases": sum(1 for expiry in t.leases.values() if expiry > now),
                 "queued": len(t.queue),
                 "ids": sorted(i for i, expiry in t.leases.items() if expiry > now)[:20],
             }
-            for tenant, t in actor.state._tenants.items()
+            for tenant, t in state._tenants.items()
         }
 
+    return count
+
+
+def leases() -> dict[str, Any]:
+    """Live (unexpired) concurrency leases and queued waiters per tenant, read inside the limiter actor."""
+    count = lease_counter()
     try:
         actor = ray.get_actor(LIMITER_ACTOR, namespace="loraplex")
     except ValueError:

@@ -20,9 +20,11 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +36,7 @@ SOURCE = Path(__file__).parent / "csrc" / "sgmv_cpu.cpp"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0
+SCRATCH_MAX_AGE_S = 24 * 3600.0  # far beyond any build: a scratch directory this old has no live builder
 
 
 def cache_root() -> Path:
@@ -103,23 +106,55 @@ def build(timeout_s: float = BUILD_TIMEOUT_S) -> Path | None:
         return existing
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
+    _sweep_scratch(root)
     scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        command = [sys.executable, "-m", "deployments.engine.native_kernel", str(scratch), module_name()]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-        if result.returncode != 0:
-            tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
-            log.warning("native CPU LoRA kernel did not build: %s", " | ".join(tail) or result.returncode)
+        output = _run_bounded(
+            [sys.executable, "-m", "deployments.engine.native_kernel", str(scratch), module_name()], timeout_s
+        )
+        if output is None:
+            log.warning("native CPU LoRA kernel build took over %.0f s; gave up", timeout_s)
+            return None
+        if output.returncode != 0:
+            tail = output.stdout.strip().splitlines()[-5:]
+            log.warning("native CPU LoRA kernel did not build: %s", " | ".join(tail) or output.returncode)
             return None
         final = root / build_key()
         with contextlib.suppress(OSError):  # OSError: another builder got there first; theirs is as good
             scratch.rename(final)  # atomic: readers see the whole build or none
         return built_library()
-    except subprocess.TimeoutExpired:
-        log.warning("native CPU LoRA kernel build took over %.0f s; gave up", timeout_s)
-        return None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _sweep_scratch(root: Path) -> None:
+    """Remove what builders killed outright (SIGKILL, a lost node) left: they never got to clean up."""
+    cutoff = time.time() - SCRATCH_MAX_AGE_S
+    for scratch in root.glob(".build-*"):
+        with contextlib.suppress(OSError):  # gone already: another builder swept it
+            if scratch.stat().st_mtime < cutoff:
+                shutil.rmtree(scratch)
+
+
+def _run_bounded(command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str] | None:
+    """Run the build child in its own session; None if out of time. Out of time (or interrupted), the
+    whole session is killed: killing only the child left the ninja and compiler it started running on,
+    reparented to init, writing into a scratch directory being removed."""
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = child.communicate(timeout=timeout_s)
+        return subprocess.CompletedProcess(command, child.returncode, output)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if child.returncode is None:  # not reaped yet, so its pid still names its session
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
 
 
 def _build_into(directory: Path, name: str) -> None:

@@ -4,10 +4,13 @@ broken toolchain. It loads what is built, or runs the torch kernels and says how
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from deployments.engine import native_kernel
 
@@ -77,3 +80,53 @@ def test_a_broken_toolchain_fails_the_build_quickly_and_leaves_nothing(tmp_path:
     assert "built None" in result.stdout and "did not build" in result.stderr
     assert list(cache.iterdir()) == []  # no half build, no lock for anyone to wait on
     assert run(SELECT, cache).returncode == 0  # and engines still start
+
+
+def running(pid: int) -> bool:
+    """Whether the process lives (a zombie no one has reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_build_out_of_time_takes_the_compiler_it_started_down_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killing only the build child left its compiler running, reparented to init, after `build` gave up."""
+    compiler_pid = tmp_path / "compiler.pid"
+    child = tmp_path / "build-child"  # stands in for the Python child: starts a "compiler" and waits on it
+    child.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {compiler_pid}\nwait\n")
+    child.chmod(0o755)
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(sys, "executable", str(child))
+    started = time.monotonic()
+    assert native_kernel.build(timeout_s=2) is None
+    assert time.monotonic() - started < 10
+    pid = int(compiler_pid.read_text())
+    deadline = time.monotonic() + 5
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = running(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)  # not left behind by this test either
+    assert not alive, "the compiler outlived the build"
+    assert list(cache.iterdir()) == []
+
+
+def test_a_build_sweeps_what_builders_killed_outright_left_and_spares_live_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "kernels"
+    killed, live = cache / ".build-killed", cache / ".build-live"
+    for scratch in (killed, live):
+        scratch.mkdir(parents=True)
+        (scratch / "half.o").write_text("")
+    old = time.time() - native_kernel.SCRATCH_MAX_AGE_S - 60
+    os.utime(killed, (old, old))
+    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # a build that fails at once
+    assert native_kernel.build(timeout_s=30) is None
+    assert sorted(p.name for p in cache.iterdir()) == [".build-live"]
