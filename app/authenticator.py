@@ -3,9 +3,11 @@
 Revocation, expiry and tenant disabling take effect within `ttl` seconds on every ingress replica. Keys the
 database refused are cached for the same `ttl` (a negative cache), so a key created a moment after someone
 tried it also works within `ttl`; a repeated bogus key costs one lookup per `ttl`, and a client whose
-lookups keep failing is throttled (app/auth_failures.py) before it reaches the database again.
+lookups keep failing is throttled (app/auth_failures.py) before it reaches the database again. Concurrent
+requests with the same uncached key share one lookup, so a burst of one key is one query, not one per request.
 """
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +57,7 @@ class Authenticator:
         # Both keyed by the key's hash, never plaintext.
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._refused: dict[str, float] = {}  # -> until when the database's "no" stands
+        self._pending: dict[str, asyncio.Future[Principal]] = {}  # lookups under way
 
     async def authenticate(self, authorization: str | None, client: str | None = None) -> Principal:
         """`client`: the caller's address, which failed lookups are counted against."""
@@ -78,10 +81,29 @@ class Authenticator:
     async def _look_up(self, key: str, cache_key: str, client: str | None, now: float) -> Principal:
         if self._refused.get(cache_key, 0.0) > now:
             raise InvalidApiKey()
+        pending = self._pending.get(cache_key)
+        if pending is None:
+            pending = self._start(key, cache_key, client, now)
+        # Shielded: a caller that goes away does not cancel the lookup the others wait on.
+        return await asyncio.shield(pending)
+
+    def _start(self, key: str, cache_key: str, client: str | None, now: float) -> "asyncio.Future[Principal]":
         if client is not None and self._failures is not None:
             wait = self._failures.retry_after(client, now)
             if wait is not None:
                 raise TooManyFailedAuthentications(wait)
+        task = asyncio.ensure_future(self._resolve(key, cache_key, client, now))
+        self._pending[cache_key] = task
+        task.add_done_callback(lambda done: self._settled(cache_key, done))
+        return task
+
+    def _settled(self, cache_key: str, done: "asyncio.Future[Principal]") -> None:
+        if self._pending.get(cache_key) is done:
+            del self._pending[cache_key]
+        if not done.cancelled():
+            done.exception()  # retrieved: with every caller gone, an InvalidApiKey is no "lost" error
+
+    async def _resolve(self, key: str, cache_key: str, client: str | None, now: float) -> Principal:
         try:
             principal = await run_in_threadpool(self._lookup, key)
         except InvalidApiKey:
