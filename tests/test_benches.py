@@ -30,6 +30,7 @@ BENCHES = {
     "multi_lora": {"ours_tok_s", "peft_tok_s", "ratio_vs_peft", "ratio_continuous_vs_static"},
     "gateway": {"requests", "overhead_p50_ms", "serve_overhead_p50_ms"},
     "routing": {"ours", "default", "ratios"},
+    "grammar_libraries": {"xgrammar", "llguidance", "cpu", "chosen"},
 }
 RUN_ELSEWHERE = {"load_test": "tests/e2e/test_load_and_faults.py"}
 HELPERS = {"__init__", "assets", "load_faults", "locustfile", "ray_ops"}  # pieces of benches, not benches

@@ -13,18 +13,22 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from adapters.ref import AdapterRef
 from deployments.engine.config import EngineConfig
-from deployments.engine.errors import DuplicateRequestId, EngineError, EngineStopped
+from deployments.engine.errors import DuplicateRequestId, EngineError, EngineStopped, InvalidRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
+from deployments.engine.sampling_params import StructuredOutput
 from deployments.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from deployments.engine.grammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +49,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._grammar_pool: ThreadPoolExecutor | None = None  # made on the first structured request
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self._stats = self.engine.stats()  # replaced by the loop thread, read by anyone
@@ -70,10 +75,14 @@ class AsyncEngine:
         request_id = request.request_id
         if request_id in self._streams:
             raise DuplicateRequestId(request_id)
-        seq = self.engine.make_sequence(request)
+        seqs = self.engine.make_sequences(request)
+        if request.params.structured is not None:  # compiled before queueing: a bad schema is refused here
+            self.engine.attach_grammar(seqs, await self._compile(request.params.structured))
+        if request_id in self._streams:
+            raise DuplicateRequestId(request_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(seq, announce=request.announce))
+        self._submit(lambda: self._add(seqs, announce=request.announce))
         finished = False
         try:
             while True:
@@ -88,6 +97,33 @@ class AsyncEngine:
         finally:
             if not finished:  # the caller went away: stop generating for it
                 self._submit(lambda: void(self._abort(request_id)))
+
+    async def _compile(self, spec: StructuredOutput) -> "CompiledGrammar":
+        """Compile a grammar on a grammar thread, never the loop thread: a request waits only for its own
+        grammar, and the batch goes on meanwhile. A compile running past the time bound is refused (it
+        finishes in the background and lands in the cache); time spent queued behind others' compiles does
+        not count against it."""
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        loop = asyncio.get_running_loop()
+        began: asyncio.Future[None] = loop.create_future()
+
+        def start() -> None:
+            if not began.done():
+                began.set_result(None)
+
+        def job() -> "CompiledGrammar":
+            loop.call_soon_threadsafe(start)
+            return self.engine.grammars.compile(spec)
+
+        done = asyncio.wrap_future(self._grammar_pool.submit(job))
+        await asyncio.wait([began, done], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+        bound = self.engine.config.grammar_compile_timeout_s
+        try:
+            return await asyncio.wait_for(done, timeout=bound)
+        except TimeoutError:
+            message = f"the schema did not compile within {bound:g} s; simplify it"
+            raise InvalidRequest(message, param=spec.param) from None
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request; its stream then ends with an ABORT output carrying its usage. False if this
@@ -159,6 +195,8 @@ class AsyncEngine:
         self._stopped.set()
         self._wake()
         self._thread.join(timeout=30)
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     # -- loop thread ----------------------------------------------------------------------------------
@@ -174,25 +212,25 @@ class AsyncEngine:
         if self._stopped.is_set() or self._error is not None:
             raise EngineStopped(f"engine is not running: {self._error or 'shut down'}")
 
-    def _add(self, seq: Sequence, *, announce: bool) -> None:
-        stream = self._streams.get(seq.request_id)
+    def _add(self, seqs: list[Sequence], *, announce: bool) -> None:
+        request_id = seqs[0].group_id
+        stream = self._streams.get(request_id)
         if stream is None:  # cancelled before it reached the loop
             return
         try:
-            self.engine.add_sequence(seq)
+            self.engine.add_sequences(seqs)
         except EngineError as error:  # refused (overloaded, unknown adapter): the caller raises it
-            del self._streams[seq.request_id]
+            del self._streams[request_id]
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
             return
         if announce:
-            accepted = RequestOutput(seq.request_id, "", usage=self.engine.usage_of(seq), accepted=True)
+            accepted = RequestOutput(request_id, "", usage=self.engine.usage_of(seqs), accepted=True)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, accepted)
 
     def _abort(self, request_id: str) -> bool:
-        out = self.engine.abort(request_id)
-        if out is not None:
-            self._deliver([out])
-        return out is not None
+        outputs = self.engine.abort(request_id)
+        self._deliver(outputs)
+        return bool(outputs)
 
     def _run(self) -> None:
         try:

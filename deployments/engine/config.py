@@ -64,6 +64,12 @@ class EngineConfig(BaseModel):
     max_waiting: int = Field(default=4096, ge=1, description="Queued requests beyond which add is refused.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes.")
     seed: int = Field(default=0, description="Seed of the generator used by requests without their own.")
+    grammar_compile_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="A structured-output schema that takes longer to compile is refused (400).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -26,9 +26,22 @@ from deployments.engine.errors import (
     PromptTooLong,
     ReplicaLost,
 )
-from deployments.engine.outputs import EngineStats, FinishReason, RequestOutput, RequestUsage
+from deployments.engine.outputs import (
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    RequestUsage,
+    TokenLogprob,
+)
 from deployments.engine.request import EngineRequest
-from deployments.engine.sampling_params import MIN_REPETITION_PENALTY, SamplingParams
+from deployments.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+    StructuredOutput,
+)
 
 if TYPE_CHECKING:
     from deployments.engine.async_engine import AsyncEngine
@@ -80,6 +93,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_N",
     "MIN_REPETITION_PENALTY",
     "AsyncEngine",
     "DuplicateRequestId",
@@ -100,5 +116,7 @@ __all__ = [
     "RequestOutput",
     "RequestUsage",
     "SamplingParams",
+    "StructuredOutput",
+    "TokenLogprob",
     "build_native_kernel",
 ]

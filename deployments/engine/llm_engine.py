@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,14 +25,18 @@ from deployments.engine.errors import (
     PromptTooLong,
 )
 from deployments.engine.kv_cache import KVCache
+from deployments.engine.logprobs import prompt_positions, token_logprobs
 from deployments.engine.lora_kernels import select_kernel
 from deployments.engine.model_loader import LoadedModel, load_model
 from deployments.engine.model_runner import ModelRunner
-from deployments.engine.outputs import EngineStats, FinishReason, RequestOutput, RequestUsage
+from deployments.engine.outputs import EngineStats, FinishReason, RequestOutput, RequestUsage, TokenLogprob
 from deployments.engine.request import EngineRequest
 from deployments.engine.sampler import Sampler, SamplingRow
 from deployments.engine.scheduler import ScheduledSequence, Scheduler
 from deployments.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from deployments.engine.grammar import CompiledGrammar, GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +94,8 @@ class LLMEngine:
         }
         m.lora_context.kernel_name, m.lora_context.kernel = select_kernel(m.dtype, m.device, dims)
         self.sampler = Sampler(self.vocab_size, m.device, seed=config.seed)
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices
+        self._grammars: GrammarCompiler | None = None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._started = time.monotonic()
         self.busy_seconds = 0.0
@@ -112,63 +118,117 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def make_sequence(self, request: EngineRequest) -> Sequence:
-        """Validate a request's own input and build its Sequence; raises a named error for bad input.
-        Reads only the engine's fixed configuration, so any thread may call it; what depends on the
-        engine's state (queue length, the adapter) is checked by `add_sequence` on the loop thread."""
-        prompt_ids, params = request.prompt_ids, request.params
-        if not prompt_ids:
-            raise EmptyPrompt()
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        n = len(prompt_ids)
-        room = self.max_model_len - n
-        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-            raise PromptTooLong(n, params.max_tokens or 1, self.max_model_len)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return Sequence(
-            request_id=request.request_id,
-            prompt_ids=list(prompt_ids),
-            params=params,
-            adapter=request.adapter,
-            max_tokens=params.max_tokens or room,
-            generator=generator,
-            cache_salt=request.cache_salt,
-        )
+    def make_sequences(self, request: EngineRequest) -> list[Sequence]:
+        """Validate a request's own input and build its sequences, one per (prompt, choice); raises a named
+        error for bad input. Reads only the engine's fixed configuration, so any thread may call it; what
+        depends on the engine's state (queue length, the adapter) is checked by `add_sequences` on the loop
+        thread. A structured-output grammar is attached by the caller (`attach_grammar`)."""
+        params = request.params
+        for token, _ in params.logit_bias:
+            if token >= self.vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias names token {token}; the vocabulary has {self.vocab_size}",
+                    param="logit_bias",
+                )
+        seqs: list[Sequence] = []
+        for p, prompt_ids in enumerate(request.prompts):
+            if not prompt_ids:
+                raise EmptyPrompt()
+            if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+                raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            n = len(prompt_ids)
+            room = self.max_model_len - n
+            if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+                raise PromptTooLong(n, params.max_tokens or 1, self.max_model_len)
+            leader: Sequence | None = None
+            for j in range(params.n):
+                index = p * params.n + j
+                generator = None
+                if params.seed is not None:  # each choice its own stream: seed, seed + 1, ...
+                    seed = (params.seed + j) % 2**63
+                    generator = torch.Generator(device=self.device).manual_seed(seed)
+                seq = Sequence(
+                    request_id=request.request_id if index == 0 else f"{request.request_id}#{index}",
+                    group_id=request.request_id,
+                    index=index,
+                    leader=leader,
+                    prompt_ids=list(prompt_ids),
+                    params=params,
+                    adapter=request.adapter,
+                    max_tokens=room if params.max_tokens is None else params.max_tokens,
+                    generator=generator,
+                    cache_salt=request.cache_salt,
+                    prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                )
+                leader = leader or seq
+                seqs.append(seq)
+        if len(seqs) > self.config.max_waiting:
+            raise InvalidRequest(
+                f"{len(seqs)} choices exceed the engine's queue of {self.config.max_waiting}", param="n"
+            )
+        return seqs
 
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queue a sequence; raises a named error if the engine cannot take it now."""
-        if seq.request_id in self._requests:
-            raise DuplicateRequestId(seq.request_id)
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+    @property
+    def grammars(self) -> "GrammarCompiler":
+        """Compiles structured-output grammars for this model's tokenizer (thread-safe; made on first use)."""
+        if self._grammars is None:
+            from deployments.engine.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.vocab_size, sorted(self.loaded.eos_token_ids)
+            )
+        return self._grammars
+
+    @staticmethod
+    def attach_grammar(seqs: list[Sequence], grammar: "CompiledGrammar") -> None:
+        for seq in seqs:
+            seq.matcher = grammar.matcher()
+
+    def add_sequences(self, seqs: list[Sequence]) -> None:
+        """Queue one request's sequences; raises a named error if the engine cannot take it now."""
+        group_id = seqs[0].group_id
+        if group_id in self._requests:
+            raise DuplicateRequestId(group_id)
+        if len(self.scheduler.waiting) + len(seqs) > self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
-        if seq.adapter is not None:
-            self.adapters.check(seq.adapter)
-        self._requests[seq.request_id] = seq
-        if seq.adapter is not None:  # routing quality: did the request find its adapter already here?
-            self.adapter_requests += 1
-            self.adapter_arrival_hits += seq.adapter in self.adapters.held()
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            seq.prompt_ids,
-            stop=seq.params.stop,
-            skip_special_tokens=seq.params.skip_special_tokens,
-        )
-        self.scheduler.add(seq)
+        adapter = seqs[0].adapter
+        if adapter is not None:
+            self.adapters.check(adapter)
+            self.adapter_requests += 1  # routing quality: did the request find its adapter already here?
+            self.adapter_arrival_hits += adapter in self.adapters.held()
+        self._requests[group_id] = seqs
+        for seq in seqs:
+            self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+                self.tokenizer,
+                seq.prompt_ids,
+                stop=seq.params.stop,
+                skip_special_tokens=seq.params.skip_special_tokens,
+            )
+            self.scheduler.add(seq)
 
     def add_request(self, request: EngineRequest) -> None:
-        self.add_sequence(self.make_sequence(request))
+        """Validate and queue a request on this thread (compiling its grammar here, if it has one)."""
+        seqs = self.make_sequences(request)
+        if request.params.structured is not None:
+            self.attach_grammar(seqs, self.grammars.compile(request.params.structured))
+        self.add_sequences(seqs)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now, freeing its KV blocks and slot; returns its final output (None if unknown)."""
-        seq = self._requests.get(request_id)
-        if seq is None:
-            return None
+    def group(self, request_id: str) -> list[Sequence]:
+        return self._requests[request_id]
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request now, freeing its KV blocks and slot; returns the final outputs of its choices that
+        were still running (empty if the request is unknown or already finished)."""
+        group = self._requests.get(request_id)
+        if group is None:
+            return []
         self.aborts += 1
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        return self._final(seq, "")
+        outputs = []
+        for seq in group:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                outputs.append(self._final(seq, ""))
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -179,14 +239,20 @@ class LLMEngine:
         self.adapters.load_pinned()
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
-        outputs = [self._final(seq, "") for seq in plan.failed]
+        outputs: list[RequestOutput] = []
+        for seq in plan.failed:
+            outputs += self._fail_group(seq, seq.error or "failed")
         if not plan.scheduled:
             return outputs
-        sampling = [s for s in plan.scheduled if s.samples]
+        sampling = [s for s in plan.scheduled if s.draws]
+        prompt_only = [s.seq for s in plan.scheduled if s.samples and not s.draws]  # echo, max_tokens 0
+        prompt_rows = [prompt_positions(s.seq, s.seq.num_computed, s.num_tokens) for s in plan.scheduled]
         start = time.perf_counter()
         try:
             logits = self.runner.run(plan.scheduled)
-            tokens = self._sample(logits, sampling)
+            if any(prompt_rows):
+                logits = self._take_prompt_logprobs(logits, plan.scheduled, prompt_rows)
+            tokens, logprobs = self._sample(logits, sampling)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as error:  # keep serving: fail this step's requests, not the engine
@@ -201,29 +267,99 @@ class LLMEngine:
                 self.blocks.commit(item.seq)
                 seq, m = item.seq, item.seq.metrics
                 m.prompt_processed = max(m.prompt_processed, min(seq.num_computed, seq.num_prompt_tokens))
-        for item, token in zip(sampling, tokens, strict=True):
-            if isinstance(token, str):  # only the row that could not be sampled fails
+        for item, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            if item.seq.is_finished:  # a choice failed earlier in this loop took its group with it
+                continue
+            if isinstance(token, str):  # only the request whose row could not be sampled fails
                 outputs += self._fail([item], f"sampling failed: {token}")
             else:
-                outputs.append(self._append_token(item.seq, token))
+                outputs.append(self._append_token(item.seq, token, logprob))
+        for seq in prompt_only:  # they end with their prompt
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+                outputs.append(self._final(seq, ""))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> list[int | str]:
+    def _take_prompt_logprobs(
+        self, logits: torch.Tensor, scheduled: list[ScheduledSequence], prompt_rows: list[range]
+    ) -> torch.Tensor:
+        """Record the prompt logprobs in `logits` (ModelRunner.run's row order); return the sampling rows."""
+        row = 0
+        sampling_rows: list[int] = []
+        for item, positions in zip(scheduled, prompt_rows, strict=True):
+            if positions:
+                seq = item.seq
+                assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
+                chosen = [seq.token_ids[q + 1] for q in positions]
+                top = [seq.params.prompt_logprobs] * len(positions)
+                seq.prompt_logprobs += token_logprobs(logits[row : row + len(positions)], chosen, top)
+                row += len(positions)
+            if item.draws:
+                sampling_rows.append(row)
+                row += 1
+        return logits[sampling_rows]
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: list[ScheduledSequence]
+    ) -> tuple[list[int | str], list[TokenLogprob | None]]:
         """A token per row, or for a row that cannot be sampled the error, so that one request's bad
-        parameters never fail its batch neighbours. The per-row retry only runs after a failure (a seeded
-        row may then draw from a generator the failed batch call already advanced)."""
+        parameters never fail its batch neighbours; and each token's logprob where its request asked.
+        Logprobs read the raw logits; logit biases and grammar masks then change them in place, and
+        only the rows that use them. The per-row retry only runs after a failure (a seeded row may then
+        draw from a generator the failed batch call already advanced)."""
+        asked = [i for i, s in enumerate(sampling) if s.seq.params.logprobs is not None]
+        raw = logits[asked].clone() if asked else None  # [A, V]: before biases and masks
+        self._constrain(logits, sampling)
         rows = [self._sampling_row(s.seq) for s in sampling]
+        tokens: list[int | str]
         try:
-            return list(self.sampler.sample(logits, rows))
+            tokens = list(self.sampler.sample(logits, rows))
         except Exception:
             log.exception("sampling the step failed; sampling its rows one by one")
-        tokens: list[int | str] = []
-        for i, row in enumerate(rows):
-            try:
-                tokens.append(self.sampler.sample(logits[i : i + 1], [row])[0])
-            except Exception as error:
-                tokens.append(str(error) or type(error).__name__)
-        return tokens
+            tokens = []
+            for i, row in enumerate(rows):
+                try:
+                    tokens.append(self.sampler.sample(logits[i : i + 1], [row])[0])
+                except Exception as error:
+                    tokens.append(str(error) or type(error).__name__)
+        for i, s in enumerate(sampling):  # advance the grammars; a refused token fails only its request
+            token = tokens[i]
+            if s.seq.matcher is not None and not isinstance(token, str) and not s.seq.matcher.accept(token):
+                tokens[i] = f"token {token} is outside the request's grammar"
+        logprobs: list[TokenLogprob | None] = [None] * len(sampling)
+        if raw is not None:
+            good = [i for i in asked if not isinstance(tokens[i], str)]
+            if good:
+                keep = [asked.index(i) for i in good]
+                chosen = [int(tokens[i]) for i in good]
+                top = [sampling[i].seq.params.logprobs or 0 for i in good]
+                for i, lp in zip(good, token_logprobs(raw[keep], chosen, top), strict=True):
+                    logprobs[i] = lp
+        return tokens, logprobs
+
+    @torch.inference_mode()
+    def _constrain(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> None:
+        """Apply logit biases and grammar masks, in place, to the rows whose requests have them."""
+        for i, s in enumerate(sampling):
+            bias = s.seq.params.logit_bias
+            if bias:
+                ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+                values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, ids, values)
+        masked = [i for i, s in enumerate(sampling) if s.seq.matcher is not None]
+        if not masked:
+            return
+        from deployments.engine.grammar import apply_bitmask, new_bitmask
+
+        bitmask = new_bitmask(len(masked), self.vocab_size)
+        for r, i in enumerate(masked):
+            matcher = sampling[i].seq.matcher
+            assert matcher is not None
+            matcher.fill_mask(bitmask, r)
+        index = torch.tensor(masked, dtype=torch.long, device=logits.device)
+        rows = logits.index_select(0, index).cpu()  # [M, V]; the masks are built on the host
+        apply_bitmask(rows, bitmask)
+        logits.index_copy_(0, index, rows.to(logits.device))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         penalised = seq.params.uses_penalties
@@ -242,7 +378,7 @@ class LLMEngine:
         self.busy_seconds += elapsed
         self.steps += 1
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         seq.token_ids.append(token)
         self.generated_tokens += 1
         if seq.metrics.first_token is None:
@@ -268,7 +404,9 @@ class LLMEngine:
         if reason is None:
             # Every output carries the usage so far: if the client goes away mid-stream, the ingress
             # bills what the engine had processed up to the last output it received.
-            return RequestOutput(seq.request_id, text, [token], usage=self.usage_of(seq))
+            usage = self.usage_of(self._requests[seq.group_id])
+            out = RequestOutput(seq.group_id, text, [token], usage=usage, index=seq.index)
+            return self._annotated(out, seq, logprob)
         if delta_stop is None:  # flush held-back text; it may complete a stop string itself
             text += detok.finish()
             if detok.stop_reason is not None:
@@ -276,47 +414,88 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         out = self._final(seq, text)
         out.token_ids = [token]
+        return self._annotated(out, seq, logprob)
+
+    @staticmethod
+    def _annotated(out: RequestOutput, seq: Sequence, logprob: TokenLogprob | None) -> RequestOutput:
+        if logprob is not None:
+            out.logprobs = [logprob]
         return out
 
     def _final(self, seq: Sequence, text: str) -> RequestOutput:
-        self._requests.pop(seq.request_id, None)
+        """The last output of one choice; the last choice's also ends the request (`finished`)."""
         self._detokenizers.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
+        group = self._requests.get(seq.group_id, [seq])
+        done = all(s.is_finished for s in group)
+        if done:
+            self._requests.pop(seq.group_id, None)
+        out = RequestOutput(
+            request_id=seq.group_id,
             text=text,
-            finished=True,
+            finished=done,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            usage=self.usage_of(seq),
+            usage=self.usage_of(group),
             error=seq.error,
+            index=seq.index,
         )
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = list(seq.prompt_logprobs), True
+        return out
 
-    def usage_of(self, seq: Sequence) -> RequestUsage:
-        """What the request has used so far (final once it finished)."""
-        m = seq.metrics
-        end = m.finished or time.monotonic()
-        # Until its first token a request has used only the prompt it processed (cached blocks included):
-        # one aborted in the queue costs nothing, one aborted mid-prefill the chunks that ran.
-        processed = max(m.prompt_processed, m.cached_prompt_tokens)
-        prompt = seq.num_prompt_tokens if seq.num_output_tokens else processed
+    def usage_of(self, seqs: "Sequence | list[Sequence]") -> RequestUsage:
+        """What a request (all its choices) has used so far; final once it finished. Each prompt counts
+        once, however many choices share it; completions and device time add up over the choices."""
+        group = [seqs] if isinstance(seqs, Sequence) else seqs
+        now = time.monotonic()
+        prompt = cached = completion = preemptions = 0
+        gpu = 0.0
+        first_token: float | None = None
+        for seq in group:
+            m = seq.metrics
+            completion += seq.num_output_tokens
+            gpu += m.gpu_time
+            preemptions += m.num_preemptions
+            if m.first_token is not None:
+                first_token = m.first_token if first_token is None else min(first_token, m.first_token)
+            if seq.leader is None:
+                # Until its first token a request has used only the prompt it processed (cached blocks
+                # included): one aborted in the queue costs nothing, one aborted mid-prefill the chunks that
+                # ran.
+                processed = max(m.prompt_processed, m.cached_prompt_tokens)
+                prompt += seq.num_prompt_tokens if seq.num_output_tokens else processed
+                cached += m.cached_prompt_tokens
+        first = group[0].metrics
+        ends = [s.metrics.finished for s in group]
+        end = max(e for e in ends if e is not None) if all(e is not None for e in ends) else now
         return RequestUsage(
             prompt_tokens=prompt,
-            cached_prompt_tokens=m.cached_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
-            queue_ms=((m.first_scheduled or end) - m.arrival) * 1e3,
-            ttft_ms=None if m.first_token is None else (m.first_token - m.arrival) * 1e3,
-            total_ms=(end - m.arrival) * 1e3,
-            gpu_ms=m.gpu_time * 1e3,
-            preemptions=m.num_preemptions,
+            cached_prompt_tokens=cached,
+            completion_tokens=completion,
+            queue_ms=((first.first_scheduled or end) - first.arrival) * 1e3,
+            ttft_ms=None if first_token is None else (first_token - first.arrival) * 1e3,
+            total_ms=(end - first.arrival) * 1e3,
+            gpu_ms=gpu * 1e3,
+            preemptions=preemptions,
             replica=self.replica_name,
         )
 
     def _fail(self, scheduled: list[ScheduledSequence], message: str) -> list[RequestOutput]:
         outputs = []
         for item in scheduled:
-            item.seq.error = message
-            self.scheduler.finish(item.seq, FinishReason.ERROR)
-            outputs.append(self._final(item.seq, ""))
+            if not item.seq.is_finished:
+                outputs += self._fail_group(item.seq, message)
+        return outputs
+
+    def _fail_group(self, failed: Sequence, message: str) -> list[RequestOutput]:
+        """A choice that fails fails its whole request: every choice still running ends with the error."""
+        outputs = []
+        for seq in self._requests.get(failed.group_id, [failed]):
+            if seq is failed or not seq.is_finished:
+                seq.error = message
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ERROR)
+                outputs.append(self._final(seq, ""))
         return outputs
 
     # -- adapters and stats ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 from deployments.engine.attention import METADATA_KWARG, AttentionMetadata, PrefillSpan
 from deployments.engine.kv_cache import KVCache
+from deployments.engine.logprobs import prompt_positions
 from deployments.engine.lora_kernels import LoRABatch
 from deployments.engine.lora_layers import LoRAContext
 from deployments.engine.model_loader import LoadedModel
@@ -36,7 +37,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """Forward one step; returns logits [N, V] (float32) for the sequences that sample, in order."""
+        """Forward one step; returns logits [N, V] (float32): per scheduled sequence in order, the rows of
+        its `prompt_positions` (prompt logprobs), then its sampling row if it `draws`."""
         inputs = self.prepare(scheduled)
         self.lora_context.batch = inputs.lora
         try:
@@ -91,7 +93,14 @@ class ModelRunner:
                 blocks = table[i, : -(-context_len // bs)].to(self.device)
             prefills.append(PrefillSpan(int(token_start[i]), n, context_len, blocks))
 
-        logits_index = [int(token_start[i]) + lengths[i] - 1 for i, s in enumerate(scheduled) if s.samples]
+        logits_index: list[int] = []
+        for i, item in enumerate(scheduled):
+            first = int(token_start[i])
+            logits_index.extend(
+                first + q - starts[i] for q in prompt_positions(item.seq, starts[i], lengths[i])
+            )
+            if item.draws:
+                logits_index.append(first + lengths[i] - 1)
         dev = self.device
         attention = AttentionMetadata(
             kv_caches=self.kv_cache.layers,

@@ -26,8 +26,23 @@ class RequestUsage:
     replica: str | None = None  # the engine replica that served it
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the request's own model (base or adapter): the log-softmax of
+    the raw logits, before penalties, biases, grammar masks or temperature; `top` holds the most likely
+    tokens at that position, best first (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class RequestOutput:
+    """One step's news for one choice of a request. A request with several choices (n, or a list of
+    prompts) streams them interleaved: `index` names the choice, `finish_reason` marks a choice's end and
+    `finished` the end of the whole request (its last output); `usage` always covers every choice."""
+
     request_id: str
     text: str  # new text since the previous output
     token_ids: list[int] = field(default_factory=list)  # new tokens since the previous output
@@ -37,6 +52,10 @@ class RequestOutput:
     usage: RequestUsage | None = None  # so far on every output; final on the finished one
     error: str | None = None  # set when finish_reason is ERROR
     accepted: bool = False  # the announcement that the engine queued it (EngineRequest.announce): no tokens
+    index: int = 0  # the choice: prompt number * n + choice number
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
+    # The prompt's, when asked: once, on the choice's first output; None for the first prompt token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,3 +16,10 @@ class EngineRequest:
     # Send an `accepted` output as soon as the engine queued the request, naming the replica: a caller who
     # leaves later knows whom to ask to abort it and that it must wait for the final usage.
     announce: bool = False
+    # The rest of a list of prompts (/v1/completions): one request, one stream, one usage for all of them.
+    # Prompt p's choice j (of params.n) has index p * n + j.
+    more_prompts: tuple[list[int], ...] = ()
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt_ids, *self.more_prompts]

@@ -2,9 +2,10 @@
 
 Every step: running decodes first (one token each, so a long prompt never freezes them), then running
 prefills in chunks, then waiting requests in arrival order under the per-step token budget. A waiting
-request whose adapter is not resident is skipped (it waits only for its own adapter). When KV blocks run
-out, the newest running sequences are preempted (their blocks freed, recomputed later from the prefix
-cache), and they go back to the front of the queue so nobody starves.
+request whose adapter is not resident is skipped (it waits only for its own adapter), and so is a
+further choice of a prompt whose first choice has not finished its prefill (it then reuses those blocks).
+When KV blocks run out, the newest running sequences are preempted (their blocks freed, recomputed later
+from the prefix cache), and they go back to the front of the queue so nobody starves.
 """
 
 import time
@@ -27,6 +28,11 @@ class ScheduledSequence:
     def samples(self) -> bool:
         """True when this chunk reaches the last known token, so the step yields its next token."""
         return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+    @property
+    def draws(self) -> bool:
+        """True when the step samples a token for it (a prompt-only request, max_tokens 0, never does)."""
+        return self.samples and self.seq.max_tokens > 0
 
 
 @dataclass(slots=True)
@@ -119,6 +125,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
+            if seq.leader is not None and not seq.leader.prompt_done:
+                continue  # another choice of the same prompt: its prefill will be the leader's cached blocks
             if seq.adapter is not None:
                 try:
                     slot = self.adapters.acquire(seq.adapter)
@@ -131,7 +139,7 @@ class Scheduler:
                     continue
                 seq.slot = slot
             first = seq.metrics.first_scheduled is None
-            cached = self.blocks.match_prefix(seq)
+            cached = 0 if seq.collects_prompt_logprobs else self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             needed = self.blocks.blocks_needed(seq, seq.num_computed + n)
             if needed + self._watermark > self.blocks.num_free_blocks or not self.blocks.allocate(

@@ -3,12 +3,16 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from adapters.ref import AdapterRef
-from deployments.engine.outputs import FinishReason
+from deployments.engine.outputs import FinishReason, TokenLogprob
 from deployments.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deployments.engine.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +37,9 @@ class SequenceMetrics:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
+    """One choice of one prompt. A request with n choices or several prompts is a group of sequences
+    sharing `group_id` (the request's id); `request_id` is unique per sequence."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -50,10 +57,33 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     metrics: SequenceMetrics = field(default_factory=lambda: SequenceMetrics(arrival=time.monotonic()))
+    group_id: str = ""  # the EngineRequest's id; defaults to request_id
+    index: int = 0  # the choice number within the group (prompt number * n + choice)
+    # The first choice of the same prompt: this one waits until the leader's prompt is in the KV cache, so
+    # its prefill is a prefix-cache hit (n choices, one prefill).
+    leader: Optional["Sequence"] = None
+    matcher: Optional["GrammarMatcher"] = None  # structured output: the grammar state
+    # Prompt logprobs gathered so far (entry 0 is None: the first token has no context); None: not asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def prompt_done(self) -> bool:
+        """The whole prompt has been in the KV cache (and its blocks registered), or the sequence ended."""
+        return self.is_finished or self.metrics.prompt_processed >= self.num_prompt_tokens
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Still needs logits at prompt positions: it asked for prompt logprobs and has not all of them. Such
+        a sequence skips the prefix cache, whose blocks have no logits."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,7 +26,7 @@ def test_long_prompt_is_chunked_and_never_freezes_running_decodes(llama: TinySet
     engine.add_request(
         EngineRequest("long", list(range(10, 170)), GREEDY)
     )  # 160 tokens, a budget of 32 per step
-    long = engine._requests["long"]
+    long = engine.group("long")[0]
     steps_with_short_token = steps_while_prefilling = 0
     while long.num_computed < len(long.prompt_ids):
         outs = engine.step()
@@ -82,8 +82,7 @@ def test_abort_frees_blocks_and_slot_and_reports_usage(llama: TinySetup) -> None
     )
     for _ in range(3):
         engine.step()
-    out = engine.abort("x")
-    assert out is not None
+    [out] = engine.abort("x")
     assert out.finished
     assert out.finish_reason is FinishReason.ABORT
     assert out.usage is not None
@@ -93,7 +92,7 @@ def test_abort_frees_blocks_and_slot_and_reports_usage(llama: TinySetup) -> None
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(engine.adapters.slots.users(s) == 0 for s in range(4))
     assert not engine.has_unfinished()
-    assert engine.abort("x") is None  # already gone
+    assert engine.abort("x") == []  # already gone
     engine.close()
 
 

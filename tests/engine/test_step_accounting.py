@@ -19,7 +19,7 @@ def test_a_mixed_step_is_billed_by_tokens_processed(llama: TinySetup) -> None:
         engine.add_request(EngineRequest(rid, [1 + i, 2, 3], DECODING))
     engine.step()  # their prompts: from now on each decodes one token per step
     engine.add_request(EngineRequest("prefill", list(range(10, 110)), SamplingParams(max_tokens=4)))
-    seqs = {rid: engine._requests[rid] for rid in [*decodes, "prefill"]}
+    seqs = {rid: engine.group(rid)[0] for rid in [*decodes, "prefill"]}
     before = {rid: seq.metrics.gpu_time for rid, seq in seqs.items()}
     busy = engine.busy_seconds
 
