@@ -13,27 +13,27 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from app import log_context, request_metrics
 from app.admission import Admission
 from app.authenticator import Principal
+from app.choices import Choices, Shape
 from app.closing_stream_response import ClosingStreamingResponse
 from app.engine_stream import EngineStream, uncancellable
 from app.errors import GenerationFailed, InvalidParameter, to_api_error
 from app.metering.request_record import RequestRecord, RequestStatus
 from app.schemas.openai import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatDelta,
     Completion,
     CompletionChoice,
     PromptTokensDetails,
@@ -59,8 +59,9 @@ MAX_ATTEMPTS = 3  # a request whose replica is lost before its client saw output
 STOP_WAIT_S = 5.0  # how long a leaving client's request may take to report its final usage
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
-    """OpenAI defaults where the request is silent (temperature 1, top_p 1)."""
+def sampling_params(body: SamplingFields, max_tokens: int | None, **more: Any) -> SamplingParams:
+    """OpenAI defaults where the request is silent (temperature 1, top_p 1); `more` sets the rest (n,
+    logprobs, logit_bias, structured output), which each route reads from its own fields."""
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -72,6 +73,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingPar
         frequency_penalty=body.frequency_penalty or 0.0,
         seed=body.seed,
         stop=tuple(body.stop_list),
+        **more,
     )
 
 
@@ -88,12 +90,6 @@ def usage_block(usage: RequestUsage | None) -> Usage:
     )
 
 
-def finish_reason(out: RequestOutput) -> str | None:
-    if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-        return str(out.finish_reason)
-    return None
-
-
 @dataclass
 class Generation:
     services: Services
@@ -107,7 +103,8 @@ class Generation:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     admission: Admission | None = None
     engine_request: EngineRequest | None = None
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # all prompts together
+    longest_prompt: int = 0
     streamed_tokens: int = 0  # what the client received, for reconciling an aborted request
     client_has_output: bool = False  # once true, a lost replica ends the request instead of restarting it
     engine_stream: EngineStream | None = None  # the current attempt's
@@ -130,10 +127,12 @@ class Generation:
         return cls(services, principal, target, request_id, kind, body.stream, include_usage)
 
     async def respond(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompts: list[list[int]], params: SamplingParams, shape: Shape | None = None
     ) -> JSONResponse | StreamingResponse:
+        """Run `prompts` (one, or a /v1/completions list; each with params.n choices) as one engine
+        request; `shape` says what the choices carry beyond text."""
         try:
-            return await self._respond(prompt_ids, params)
+            return await self._respond(prompts, params, shape or Shape(n=params.n))
         except BaseException as error:
             if not self._recorded:  # no engine took it, so no RequestRecord: count it here
                 self._count_refused(error)
@@ -146,29 +145,34 @@ class Generation:
             log.exception("counting refused request %s failed", self.request_id)
 
     async def _respond(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompts: list[list[int]], params: SamplingParams, shape: Shape
     ) -> JSONResponse | StreamingResponse:
-        self.prompt_tokens = len(prompt_ids)
-        self._check_context(params)  # before admission: a request that cannot run reserves nothing
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.longest_prompt = max(len(p) for p in prompts)
+        self._check_context(prompts, params)  # before admission: a request that cannot run reserves nothing
         params = self._capped(params)
-        room = self.target.base.max_model_len - len(prompt_ids)
+        room = self.target.base.max_model_len - self.longest_prompt
+        output = params.max_tokens if params.max_tokens is not None else max(room, 0)
         self.admission = await Admission.acquire(
             self.services.limiter,
             tenant=self.principal.tenant_id,
             tier=self.principal.tier,
             request_id=self.request_id,
             limits=self.principal.limits,
-            reserve=len(prompt_ids) + (params.max_tokens or max(room, 0)),
+            # every prompt once, and every choice of every prompt its max_tokens
+            reserve=self.prompt_tokens + params.n * len(prompts) * output,
             fail_open=self.services.limiter_fail_open,
         )
         self.engine_request = EngineRequest(
             request_id=self.request_id,
-            prompt_ids=prompt_ids,
+            prompt_ids=prompts[0],
             params=params,
             adapter=self.target.adapter,
             cache_salt=self.principal.tenant_id,  # tenants never share cached prefixes
             announce=True,  # so a client leaving before its first token still pays for its prefill
+            more_prompts=tuple(prompts[1:]),
         )
+        choices = Choices(self.kind, shape, prompts, self.target.base.prompts.tokens)
         outputs = self._engine_outputs()
         try:
             first = await anext(outputs)  # engine-side validation errors surface here, before any status
@@ -185,12 +189,12 @@ class Generation:
         headers = self.admission.headers()
         if self.stream:
             return ClosingStreamingResponse(
-                self._sse(first, outputs),
+                self._sse(first, outputs, choices),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers},
                 on_close=lambda: self.close("aborted"),  # a no-op when the stream ended by itself
             )
-        return await self._collect(first, outputs, headers)
+        return await self._collect(first, outputs, headers, choices)
 
     async def _engine_outputs(self) -> AsyncGenerator[RequestOutput, None]:
         """This request's engine outputs, with the platform's one replica failover: when the replica
@@ -236,12 +240,15 @@ class Generation:
             return
         await self._finish(status, last)
 
-    def _check_context(self, params: SamplingParams) -> None:
+    def _check_context(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """What no engine of this model can serve: a prompt that fills the context, or max_tokens past it."""
         context = self.target.base.max_model_len
-        if self.prompt_tokens >= context:
+        for number, prompt in enumerate(prompts):
+            if len(prompt) < context:
+                continue
+            which = f"prompt {number} of {len(prompts)}" if len(prompts) > 1 else "the prompt"
             message = (
-                f"This model's context is {context} tokens; the prompt has {self.prompt_tokens} "
+                f"This model's context is {context} tokens; {which} has {len(prompt)} "
                 "and leaves no room for output."
             )
             param = "messages" if self.kind == "chat" else "prompt"
@@ -263,22 +270,32 @@ class Generation:
             )
             raise InvalidParameter(message, param="max_tokens", code="max_tokens_over_cap")
         if params.max_tokens is None:
-            room = self.target.base.max_model_len - self.prompt_tokens
+            room = self.target.base.max_model_len - self.longest_prompt
             return replace(params, max_tokens=max(1, min(cap, room)))
         return params
 
     async def _collect(
-        self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], headers: dict[str, str]
+        self,
+        first: RequestOutput,
+        outputs: AsyncGenerator[RequestOutput, None],
+        headers: dict[str, str],
+        choices: Choices,
     ) -> JSONResponse:
-        text: list[str] = []
         last = first
+        failed: RequestOutput | None = None
         try:
             out: RequestOutput | None = first
             while out is not None:
                 if out.request_id != last.request_id:  # run again after a lost replica: start over
-                    text, self.streamed_tokens = [], 0
+                    choices.reset()
+                    self.streamed_tokens = 0
                 last = out
-                text.append(out.text)
+                if out.finish_reason is FinishReason.ERROR:
+                    failed = out
+                if choices.heavy(out):
+                    await run_in_threadpool(choices.add, out)
+                else:
+                    choices.add(out)
                 self.streamed_tokens += len(out.token_ids)
                 if out.finished:
                     break
@@ -288,43 +305,40 @@ class Generation:
         except BaseException as stopped:
             await uncancellable(self.close("failed" if isinstance(stopped, EngineError) else "aborted"))
             raise
-        if last.finish_reason is FinishReason.ERROR:
+        if failed is not None:
             await uncancellable(self.close("failed"))
-            error = GenerationFailed(last.error)
+            error = GenerationFailed(failed.error)
             error.headers = headers
             raise error
         await uncancellable(self.close("completed"))
-        return JSONResponse(self._final_body("".join(text), last), headers=headers)
+        if choices.heavy():
+            body = await run_in_threadpool(self._final_body, choices, last)
+        else:
+            body = self._final_body(choices, last)
+        return JSONResponse(body, headers=headers)
 
-    def _final_body(self, text: str, last: RequestOutput) -> dict[str, Any]:
+    def _final_body(self, choices: Choices, last: RequestOutput) -> dict[str, Any]:
         usage = usage_block(last.usage)
+        shaped = choices.final()
         if self.kind == "chat":
+            chat = [c for c in shaped if isinstance(c, ChatChoice)]
             return ChatCompletion(
-                id=self.request_id,
-                model=self.target.name,
-                choices=[
-                    ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason(last))
-                ],
-                usage=usage,
+                id=self.request_id, model=self.target.name, choices=chat, usage=usage
             ).model_dump()
-        return Completion(
-            id=self.request_id,
-            model=self.target.name,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason(last))],
-            usage=usage,
-        ).model_dump()
+        texts = [c for c in shaped if isinstance(c, CompletionChoice)]
+        return Completion(id=self.request_id, model=self.target.name, choices=texts, usage=usage).model_dump()
 
     async def _sse(
-        self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
+        self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], choices: Choices
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        chunk = self._chunk_factory(created)
         last = first
         status: RequestStatus = "aborted"
         try:
             self.client_has_output = True
             if self.kind == "chat":
-                yield _event(chunk(ChatDelta(role="assistant", content=""), None))
+                for opening in choices.opening():
+                    yield _event(self._chunk(created, opening))
             out: RequestOutput | None = first
             while out is not None:
                 last = out
@@ -333,11 +347,11 @@ class Generation:
                     status = "failed"
                     yield _event(GenerationFailed(out.error).body())
                     return
-                if out.text or out.finished:
-                    reason = finish_reason(out) if out.finished else None
-                    yield _event(
-                        chunk(ChatDelta(content=out.text) if self.kind == "chat" else out.text, reason)
-                    )
+                pieces = (
+                    await run_in_threadpool(choices.chunk, out) if choices.heavy(out) else choices.chunk(out)
+                )
+                for choice in pieces:
+                    yield _event(self._chunk(created, choice))
                 if out.finished:
                     out = None
                 else:
@@ -355,20 +369,20 @@ class Generation:
             # Leaving early (client gone, cancellation) stops the engine request and bills what it did.
             await uncancellable(self.close(status))
 
-    def _chunk_factory(self, created: int) -> Callable[[Any, str | None], dict[str, Any]]:
-        def chunk(delta: Any, reason: str | None) -> dict[str, Any]:
-            if self.kind == "chat":
-                choice = ChatChunkChoice(delta=delta, finish_reason=reason)
-                chat = ChatCompletionChunk(
-                    id=self.request_id, created=created, model=self.target.name, choices=[choice]
-                )
-                return chat.model_dump()
-            text = CompletionChoice(text=delta, finish_reason=reason)
-            return Completion(
-                id=self.request_id, created=created, model=self.target.name, choices=[text]
+    def _chunk(self, created: int, choice: ChatChunkChoice | CompletionChoice) -> dict[str, Any]:
+        if isinstance(choice, ChatChunkChoice):
+            chat = ChatCompletionChunk(
+                id=self.request_id, created=created, model=self.target.name, choices=[choice]
             ).model_dump()
-
-        return chunk
+            delta = chat["choices"][0]["delta"]
+            if delta["tool_calls"] is not None:  # only what each piece says: the SDK joins them by index
+                delta["tool_calls"] = [
+                    call.model_dump(exclude_none=True) for call in choice.delta.tool_calls or ()
+                ]
+            return chat
+        return Completion(
+            id=self.request_id, created=created, model=self.target.name, choices=[choice]
+        ).model_dump()
 
     def _usage_chunk(self, created: int, last: RequestOutput) -> dict[str, Any]:
         usage = usage_block(last.usage)

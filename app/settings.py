@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.private_files import publish_secret
 from billing.db import PoolConfig
+from deployments.engine.interface import MAX_N
 
 
 class Settings(BaseSettings):
@@ -102,6 +103,22 @@ class Settings(BaseSettings):
         default=1_000_000,
         ge=1,
         description="Most characters of prompt text (all messages together) one request may send.",
+    )
+
+    max_n: int = Field(
+        default=8,
+        ge=1,
+        le=MAX_N,
+        description="Most choices per prompt (`n`) one request may ask for; more gets 400 naming n.",
+    )
+    max_prompts: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description=(
+            "Most prompts in one /v1/completions request (`prompt` as a list); each runs n choices, all "
+            "in one engine request."
+        ),
     )
 
     def resolved_database_url(self) -> str:

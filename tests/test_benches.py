@@ -31,6 +31,8 @@ BENCHES = {
     "gateway": {"requests", "overhead_p50_ms", "serve_overhead_p50_ms"},
     "routing": {"ours", "default", "ratios"},
     "grammar_libraries": {"xgrammar", "llguidance", "cpu", "chosen"},
+    "structured": {"throughput_ratio", "compile_p50_ms", "compile_p99_ms", "mask_us_per_token", "cpu"},
+    "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},
 }
 RUN_ELSEWHERE = {"load_test": "tests/e2e/test_load_and_faults.py"}
 HELPERS = {"__init__", "assets", "load_faults", "locustfile", "ray_ops"}  # pieces of benches, not benches

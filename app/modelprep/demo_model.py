@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import math
 import random
@@ -46,11 +47,45 @@ ARCHS: tuple[Arch, ...] = get_args(Arch)
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this order
+# ChatML, with tools in the Hermes/Qwen2.5 format. Given `tools`, a system block (the caller's system message
+# first, if any) lists them as JSON, one per line, inside <tools></tools>, and asks for calls written as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>. An assistant message's tool_calls render that way
+# (one per line, after its content), and a tool message (a call's result) is a `tool` turn holding
+# <tool_response>...</tool_response>. Without tools, plain ChatML: <|im_start|>ROLE\nCONTENT<|im_end|>\n.
+TOOLS_PROMPT = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+TOOL_CALL_PROMPT = (
+    "\\n</tools>\\n\\nFor each function call, return a JSON object with the function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n"
+    '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>'
+)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '" + TOOLS_PROMPT + "' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '" + TOOL_CALL_PROMPT + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"  # already in the tools block
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']}"
+    " | tojson) + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>tool\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MARKER_FILE = "loraplex-build.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -368,6 +403,8 @@ def _build_record(
 ) -> dict[str, Any]:
     return {
         "format": 1,
+        # A changed template rebuilds existing dirs (tokenizer_config.json holds it).
+        "chat_template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:16],
         "arch": arch,
         "shape": shape.model_dump(),
         "seed": seed,

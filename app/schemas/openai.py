@@ -1,13 +1,38 @@
 """OpenAI-compatible request and response bodies (the subset we serve; unknown fields are refused)."""
 
+import json
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
-from deployments.engine.interface import MIN_REPETITION_PENALTY  # the sampler's float32 floor
+from deployments.engine.interface import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MIN_REPETITION_PENALTY,  # the sampler's float32 floor
+)
 
 MAX_STOP = 4  # as OpenAI
+MAX_TOOLS = 128  # as OpenAI
+MAX_SCHEMA_CHARS = 32_768  # one JSON Schema (response_format's, or a tool's parameters) as compact JSON
+MAX_TOOLS_SCHEMA_CHARS = 131_072  # all tools' definitions together, as compact JSON
+MAX_DESCRIPTION_CHARS = 4096
+MAX_ARGUMENTS_CHARS = 100_000  # a past tool call's arguments, sent back in an assistant message
+MAX_COMPLETIONS_LOGPROBS = 5  # as OpenAI's /v1/completions
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # function and json_schema names, as OpenAI
+ToolName = Annotated[str, Field(pattern=NAME_PATTERN)]
+Id = Annotated[str, Field(min_length=1, max_length=256)]
 # Bounds that no served model reaches: a number past them is a mistake, refused by name before it can
 # reach the limiter or the engine (the model's own context bounds max_tokens further, per request).
 MAX_TOKENS_BOUND = 1 << 20
@@ -29,13 +54,127 @@ class TextPart(_Request):
     text: str
 
 
+def _compact(schema: Any) -> str:
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _bounded_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    if schema is not None and len(_compact(schema)) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"a JSON schema may have at most {MAX_SCHEMA_CHARS:,} characters as compact JSON")
+    return schema
+
+
+class FunctionCall(_Request):
+    name: ToolName
+    arguments: str = Field(max_length=MAX_ARGUMENTS_CHARS, description="The call's arguments, as JSON.")
+
+
+class ToolCall(_Request):
+    """A call the assistant made earlier in the conversation."""
+
+    id: Id
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(description="Text, or a list of text parts.")
-    name: str | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        default=None, description="Text, or a list of text parts; null only for an assistant's tool calls."
+    )
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="An assistant's calls (role assistant only)."
+    )
+    tool_call_id: Id | None = Field(default=None, description="The call a tool message answers.")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_of_assistants(
+        cls, value: list[ToolCall] | None, info: ValidationInfo
+    ) -> list[ToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages may have tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_of_tools(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages have a tool_call_id")
+        return value
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def size(self) -> int:
+        """Characters this message puts into the prompt (its text and its calls' arguments)."""
+        calls = sum(len(c.function.arguments) + len(c.function.name) for c in self.tool_calls or ())
+        return len(self.text()) + calls
+
+
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Request):
+    name: ToolName
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    schema_: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="A JSON Schema; absent: any JSON object."
+    )
+    strict: bool | None = None
+
+    _schema = field_validator("schema_")(_bounded_schema)
+
+
+class ResponseFormatJsonSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class FunctionDefinition(_Request):
+    name: ToolName
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="A JSON Schema of the arguments object; absent: no arguments."
+    )
+    strict: bool | None = None
+
+    _parameters = field_validator("parameters")(_bounded_schema)
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: ToolName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class SamplingFields(_Request):
@@ -52,7 +191,14 @@ class SamplingFields(_Request):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: StopString | list[StopString] | None = None
-    n: Annotated[int, Field(ge=1, le=1, description="Only one choice per request is served.")] = 1
+    n: Annotated[
+        int, Field(ge=1, le=MAX_N, description="Choices per prompt; the deployment may allow fewer.")
+    ] = 1
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None,
+        max_length=MAX_LOGIT_BIAS,
+        description="Token id (as a string) -> bias added to its logit before sampling, -100 to 100.",
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
@@ -84,25 +230,85 @@ class SamplingFields(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[Tool] | None) -> list[Tool] | None:
+        if not value:
+            return value
+        names = [t.function.name for t in value]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        size = len(_compact([t.model_dump(exclude_none=True) for t in value]))
+        if size > MAX_TOOLS_SCHEMA_CHARS:
+            raise ValueError(
+                f"the tools have {size:,} characters as JSON; at most {MAX_TOOLS_SCHEMA_CHARS:,}"
+            )
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return value
 
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
+Prompt = str | list[str] | list[int] | list[list[int]]  # token ids are checked by the engine, by vocabulary
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(description="Text, or token ids.")
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = (
-        None  # absent: 16 (OpenAI's default), within the cap
+    prompt: Prompt = Field(description="Text, token ids, or a list of either (several prompts).")
+    # absent: 16 (OpenAI's default), within the cap; 0 only with echo (the prompt's logprobs alone)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_BOUND)] | None = None
+    echo: StrictBool = Field(default=False, description="Return the prompt before the completion.")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETIONS_LOGPROBS)] | None = Field(
+        default=None, description="Log-probabilities of each token and of this many likeliest ones."
     )
-    echo: Literal[False] = False
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_of_the_shapes(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Prompt:
+        """One error naming `prompt` (not one per shape of the union, named after pydantic's types)."""
+        try:
+            prompt: Prompt = handler(value)
+        except ValidationError:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                "token ids"
+            ) from None
+        return prompt
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, value: str | list[int]) -> str | list[int]:
+    def _prompt(cls, value: Prompt) -> Prompt:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(isinstance(p, list | str) and not p for p in value):
+            raise ValueError("no prompt in the list may be empty")
         return value
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a list of prompts: texts or token id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, str) for x in p):
+            return [str(x) for x in p]
+        if all(isinstance(x, int) for x in p):
+            return [[int(x) for x in p if isinstance(x, int)]]
+        return [x for x in p if isinstance(x, list)]
 
     @property
     def output_limit(self) -> int | None:
@@ -123,16 +329,51 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    refusal: None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -144,16 +385,32 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of one tool call in a stream: the first names it (id, type, name), later ones add to its
+    arguments (index and function.arguments only); the OpenAI SDK joins them by index."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -169,7 +426,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

@@ -94,7 +94,7 @@ RESPONSES: list[tuple[str, int, Call]] = [
     ("admin-401", 401, lambda c, h: c.get("/admin/tenants", headers=h)),
     ("validation-400", 400, lambda c, h: c.post(CHAT, json=chat_body(temperature=3), headers=h)),
     ("bad-json-400", 400, _bad_json),
-    ("stream-validation-400", 400, lambda c, h: c.post(CHAT, json=chat_body(stream=True, n=2), headers=h)),
+    ("stream-validation-400", 400, lambda c, h: c.post(CHAT, json=chat_body(stream=True, n=0), headers=h)),
     ("unknown-model-404", 404, lambda c, h: c.post(CHAT, json=chat_body(model="nope"), headers=h)),
     ("unknown-route-404", 404, lambda c, h: c.get("/v1/nope", headers=h)),
     ("method-405", 405, lambda c, h: c.delete("/v1/models", headers=h)),
@@ -233,8 +233,9 @@ INVALID: list[tuple[str, str, dict[str, Any], str]] = [
     ("max_tokens-0", CHAT, chat_body(max_tokens=0), "max_tokens"),
     ("max_tokens-0-completions", COMPLETIONS, completion_body(max_tokens=0), "max_tokens"),
     ("max_completion_tokens-0", CHAT, chat_body(max_completion_tokens=0), "max_completion_tokens"),
-    ("n-2", CHAT, chat_body(n=2), "n"),
-    ("n-2-completions", COMPLETIONS, completion_body(n=2), "n"),
+    ("n-0", CHAT, chat_body(n=0), "n"),
+    ("n-over-the-limit-completions", COMPLETIONS, completion_body(n=1000), "n"),
+    ("n-over-the-deployment-limit", CHAT, chat_body(n=9), "n"),  # Settings.max_n, 8 by default
     ("5-stop-strings", CHAT, chat_body(stop=["a", "b", "c", "d", "e"]), "stop"),
     ("5-stop-strings-completions", COMPLETIONS, completion_body(stop=list("abcde")), "stop"),
     ("empty-stop-string", CHAT, chat_body(stop=[""]), "stop"),
@@ -246,7 +247,12 @@ INVALID: list[tuple[str, str, dict[str, Any], str]] = [
     ("empty-model", CHAT, chat_body(model=""), "model"),
     ("missing-prompt", COMPLETIONS, {"model": MODEL}, "prompt"),
     ("empty-token-prompt", COMPLETIONS, completion_body(prompt=[]), "prompt"),
-    ("echo-true", COMPLETIONS, completion_body(echo=True), "echo"),
+    ("echo-not-bool", COMPLETIONS, completion_body(echo="yes"), "echo"),
+    ("logprobs-over-5", COMPLETIONS, completion_body(logprobs=6), "logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, chat_body(top_logprobs=1), "top_logprobs"),
+    ("logit-bias-out-of-vocab", CHAT, chat_body(logit_bias={"1000000": 1}), "logit_bias"),
+    ("response-format-unknown", CHAT, chat_body(response_format={"type": "xml"}), "response_format"),
+    ("tool-choice-without-tools", CHAT, chat_body(tool_choice="required"), "tool_choice"),
     ("seed-negative", COMPLETIONS, completion_body(seed=-1), "seed"),
     ("stream-not-bool", CHAT, chat_body(stream="maybe"), "stream"),
 ]
@@ -259,7 +265,7 @@ def test_invalid_requests_are_400_naming_the_field(
     assert_error(client.post(path, json=body), 400, param=param)
 
 
-@pytest.mark.parametrize("role", ["bot", "tool", "", None], ids=["bot", "tool", "empty", "null"])
+@pytest.mark.parametrize("role", ["bot", "function", "", None], ids=["bot", "function", "empty", "null"])
 def test_bad_role_is_400_naming_the_message_field(client: httpx.Client, role: str | None) -> None:
     body = chat_body(messages=[{"role": "user", "content": "a"}, {"role": role, "content": "b"}])
     error = assert_error(client.post(CHAT, json=body), 400)

@@ -1,0 +1,167 @@
+"""Structured output in a mixed batch: what constraining half the requests costs the whole batch.
+
+One engine, one batch of requests spread over adapters and the base model. Peer A: half of them
+schema-constrained (a grammar mask per row, in the same forward pass and sampling call as the rest).
+Peer B: the same requests, none constrained. The peers alternate (A B A B ...) and the ratio is of the
+medians, so a noisy neighbour on the VM hits both. Also: grammar compile time (p50/p99 over the schema
+set of bench/grammar_libraries.py, each compiled cold) and the mask's cost per constrained token (filling
+and applying it, timed inside the engine step).
+
+The ceiling is 1.0 (constraining cannot make the model faster); the goal is >= 0.9.
+
+Run:  python -m bench.structured [--tiny] [--repeats N]
+The last line is one JSON object.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.assets import ensure_bench_assets
+from bench.grammar_libraries import SCHEMAS, percentile
+from bench.limiter_flood import cpu
+from deployments.engine.config import EngineConfig
+from deployments.engine.grammar import GrammarCompiler
+from deployments.engine.interface import EngineRequest, SamplingParams, StructuredOutput
+from deployments.engine.llm_engine import LLMEngine
+from deployments.engine.scheduler import ScheduledSequence
+
+# Long enough that a random model's output stays inside the grammar for many tokens.
+RECORD = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 6},
+        "score": {"type": "number"},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["title", "tags", "score", "ok"],
+    "additionalProperties": False,
+}
+
+
+class MaskTimer:
+    """Wraps LLMEngine._constrain to time the grammar work per constrained row."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds = 0.0
+        self.rows = 0
+        inner = engine._constrain
+
+        def timed(logits: torch.Tensor, sampling: list[ScheduledSequence]) -> None:
+            start = time.perf_counter()
+            inner(logits, sampling)
+            self.seconds += time.perf_counter() - start
+            self.rows += sum(s.seq.matcher is not None for s in sampling)
+
+        engine._constrain = timed  # type: ignore[method-assign]
+
+
+def run_batch(engine: LLMEngine, requests: list[EngineRequest]) -> tuple[float, int]:
+    """Wall seconds and generated tokens for one batch, all admitted at once."""
+    before = engine.generated_tokens
+    start = time.perf_counter()
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start, engine.generated_tokens - before
+
+
+def batch(
+    tag: str, size: int, adapters: list[Any], max_tokens: int, constrained: bool, spec: StructuredOutput
+) -> list[EngineRequest]:
+    out = []
+    for i in range(size):
+        structured = spec if constrained and i % 2 == 0 else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, structured=structured)
+        prompt = [5 + (i * 37 + j * 11) % 1900 for j in range(24)]
+        out.append(EngineRequest(f"{tag}-{i}", prompt, params, adapters[i % len(adapters)]))
+    return out
+
+
+def compile_times(engine: LLMEngine, count: int) -> list[float]:
+    """Cold compile (a fresh compiler per schema, so no cache) times in ms."""
+    times = []
+    for schema in SCHEMAS[:count]:
+        compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, sorted(engine.loaded.eos_token_ids))
+        start = time.perf_counter()
+        compiler.compile(StructuredOutput(json.dumps(schema)))
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="a small model and batch, seconds")
+    parser.add_argument("--repeats", type=int, default=None, help="A/B pairs (default 5, tiny 2)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    repeats = args.repeats or (2 if args.tiny else 5)
+    preset, size, max_tokens, num_adapters = ("tiny", 8, 24, 4) if args.tiny else ("bench-150m", 16, 64, 8)
+    model_dir, store_root, _ = ensure_bench_assets(preset=preset, num_adapters=num_adapters, rank=16)
+    config = EngineConfig(
+        model=model_dir,
+        adapter_store=store_root,
+        dtype=args.dtype,
+        max_loras=num_adapters,
+        max_num_seqs=size,
+        max_num_batched_tokens=max(512, size * 24),
+        num_kv_blocks=4096,
+    )
+    engine = LLMEngine(config)
+    refs: list[Any] = [engine.adapters.store.latest(f"bench-{i:02d}") for i in range(num_adapters)]
+    adapters = [*refs, None]  # and the base model
+    spec = StructuredOutput(json.dumps(RECORD))
+    timer = MaskTimer(engine)
+    run_batch(engine, batch("warm", size, adapters, 4, True, spec))  # adapters into slots, grammar cached
+    timer.seconds, timer.rows = 0.0, 0
+
+    rates: dict[str, list[float]] = {"constrained": [], "free": []}
+    for r in range(repeats):
+        for name in ("constrained", "free") if r % 2 == 0 else ("free", "constrained"):
+            seconds, tokens = run_batch(
+                engine, batch(f"{name}{r}", size, adapters, max_tokens, name == "constrained", spec)
+            )
+            rates[name].append(tokens / seconds)
+    compiles = compile_times(engine, 6 if args.tiny else len(SCHEMAS))
+    constrained, free = statistics.median(rates["constrained"]), statistics.median(rates["free"])
+    mask_us = timer.seconds / max(1, timer.rows) * 1e6
+    machine = cpu()
+    print(f"cpu: {machine['cpu']}, isa {machine['isa']}, {torch.get_num_threads()} threads, {args.dtype}")
+    print(f"batch of {size} over {num_adapters} adapters + base, half constrained, {repeats} A/B pairs")
+    for name, values in rates.items():
+        runs = [round(v, 1) for v in values]
+        print(f"  {name:12s} median {statistics.median(values):8.1f} tok/s  runs {runs}")
+    print(f"throughput ratio constrained/free: {constrained / free:.3f} (ceiling 1.0, goal >= 0.9)")
+    print(f"grammar compile p50 {percentile(compiles, 0.5):.2f} ms, p99 {percentile(compiles, 0.99):.2f} ms")
+    print(f"mask per constrained token: {mask_us:.1f} us (fill + apply)")
+    result = {
+        "throughput_ratio": round(constrained / free, 4),
+        "constrained_tok_s": round(constrained, 1),
+        "free_tok_s": round(free, 1),
+        "runs": {k: [round(v, 1) for v in vals] for k, vals in rates.items()},
+        "compile_p50_ms": round(percentile(compiles, 0.5), 3),
+        "compile_p99_ms": round(percentile(compiles, 0.99), 3),
+        "mask_us_per_token": round(mask_us, 1),
+        "batch": size,
+        "adapters": num_adapters,
+        "preset": preset,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "cpu": machine,
+        "model": Path(model_dir).name,
+    }
+    engine.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
