@@ -55,3 +55,13 @@ class AdapterRankTooLarge(AdapterInvalid):
         super().__init__([f"adapter rank {rank} exceeds max_lora_rank {max_rank}"])
         self.rank = rank
         self.max_rank = max_rank
+
+
+class AdapterStoreUnavailable(AdapterError):
+    """The adapter store cannot be reached or refused the request (network, credentials, missing bucket).
+    Uploads fail with it; versions already in a node's cache keep serving without the store."""
+
+    def __init__(self, store: str, reason: str) -> None:
+        super().__init__(f"adapter store {store} is unavailable: {reason}")
+        self.store = store
+        self.reason = reason

@@ -1,83 +1,125 @@
-"""AdapterStore: immutable, versioned adapter directories on local disk.
+"""AdapterStore: immutable, versioned adapters, in a local directory or an object store, chosen by URL.
 
-Layout: `root/<adapter_id>/v<N>/{adapter_config.json, adapter_model.safetensors}`. A version becomes visible
-only through one `os.rename` of a fully written and fsynced staging directory, so readers never see a half
-version and a crash leaves at most a stale `root/.tmp/<uuid>` behind (`cleanup_tmp` removes it at ingress
-startup). Renaming a directory onto a non-empty one fails, which is how concurrent writers detect that a
-version was taken. Everything is created owner-only (0700/0600): tenants' weights are nobody else's.
-Version numbers are never reused: `delete_version` leaves a `v<N>.deleted` tombstone, so an AdapterRef
-keeps naming the same bytes for as long as the adapter id exists.
+`AdapterStore(location)` takes a plain path or `file:///dir` (a directory on this machine: the embedded
+default, adapters/directory_store.py), or `s3://bucket/prefix` (any S3-compatible service; endpoint,
+region and credentials come from the standard AWS environment and config: AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, ~/.aws) or another fsspec URL whose package
+is installed (adapters/object_store.py). Every backend keeps the same guarantees:
+
+- Versions are immutable, numbered from 1 per adapter id, and never reused while the id exists:
+  `delete_version` leaves a `v<N>.deleted` tombstone, so an AdapterRef keeps naming the same bytes.
+- A version is visible only once complete. On disk it appears by one rename of a fully written, fsynced
+  staging directory. An object store has no rename: the writer uploads the files under `<id>/v<N>/`, then
+  writes `<id>/v<N>/manifest.json` LAST (each file's name, size and sha256); readers take a version to
+  exist only if its manifest does, and check the files they copy against it (a mismatch is refused as
+  AdapterLoadFailed). A writer killed between writes leaves manifest-less objects: invisible, and swept
+  by `cleanup_tmp` once old.
+- Concurrent uploads under one id never overwrite each other. On disk, renaming onto an existing version
+  fails. In an object store, a writer first claims N by a conditional create of `<id>/v<N>.claim` (S3
+  `PutObject` with `If-None-Match: *`); only the claimant ever writes under `<id>/v<N>/`, and a loser
+  moves on to the next free number. Claims and tombstones both count as taken.
+- The store failing (unreachable, refused) is AdapterStoreUnavailable, never a wrong answer.
+
+Reading: `path(ref)` is a local directory holding the version's files. For a local store it is the
+store's own directory (no copy); for an object store it is the node cache's verified copy
+(adapters/node_cache.py), fetched on a miss. A cache hit, and `exists` of a cached version, need no store
+access, so adapters already on a node keep serving while the store is down.
 """
 
-import contextlib
-import errno
-import os
-import re
-import shutil
-import time
-import uuid
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
-from adapters.errors import AdapterInvalid, AdapterNotFound
+from adapters.directory_store import ADAPTER_FILES, DirectoryStore, remove_stale
+from adapters.errors import AdapterNotFound
+from adapters.node_cache import DEFAULT_CACHE_BYTES, NodeCache, default_cache_dir
+from adapters.object_store import ObjectStore
 from adapters.ref import AdapterRef
-from adapters.spec import CONFIG_FILE, WEIGHTS_FILE
 
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-_ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_VERSION_DIR = re.compile(r"v([1-9][0-9]*)")
-_TOMBSTONE = re.compile(r"v([1-9][0-9]*)\.deleted")
-_DIR_MODE = 0o700
-_FILE_MODE = 0o600
-_MAX_PUBLISH_ATTEMPTS = 10_000  # only reached if versions are taken faster than we can list them
+__all__ = ["ADAPTER_FILES", "AdapterStore", "remove_stale", "store_location"]
+
+
+def store_location(value: str | Path) -> Path | str:
+    """A local store as a Path (a plain path or a file:// URL), any other store as its URL."""
+    if isinstance(value, Path):
+        return value
+    parts = urlsplit(value)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"file:// adapter store must be on this machine, got host {parts.netloc!r}")
+        return Path(unquote(parts.path))
+    if len(parts.scheme) > 1 and "://" in value:  # "C:" or a relative path with a colon is not a URL
+        return value
+    return Path(value)
+
+
+def absolute_location(value: str | Path) -> Path | str:
+    """`store_location`, with a local path made absolute (for processes started elsewhere)."""
+    location = store_location(value)
+    return location.resolve() if isinstance(location, Path) else location
 
 
 class AdapterStore:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._tmp = root / ".tmp"
-        self._trash = root / ".trash"
-        # Owner-only from creation (tenants' weights); parents above the root are the operator's.
-        root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-        for directory in (self._tmp, self._trash):
-            directory.mkdir(mode=_DIR_MODE, exist_ok=True)
+    def __init__(
+        self,
+        location: str | Path,
+        *,
+        cache_dir: Path | None = None,
+        cache_max_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
+        """`cache_dir`, `cache_max_bytes`: the node cache of an object store (unused for a local one)."""
+        self.location = store_location(location)
+        self.cache: NodeCache | None = None
+        self._local: DirectoryStore | None = None
+        self._remote: ObjectStore | None = None
+        if isinstance(self.location, Path):
+            self._local = DirectoryStore(self.location)
+        else:
+            self._remote = ObjectStore(self.location)
+            self.cache = NodeCache(cache_dir or default_cache_dir(), cache_max_bytes)
+
+    @property
+    def root(self) -> Path:
+        """The directory of a local store."""
+        if self._local is None:
+            raise TypeError(f"adapter store {self} is an object store, not a local directory")
+        return self._local.root
+
+    def __str__(self) -> str:
+        return str(self._local.root) if self._local else self._backend_url()
 
     def put_dir(self, adapter_id: str, src_dir: Path) -> AdapterRef:
         """Copy the adapter's two files from `src_dir` into a new version: highest existing + 1, from 1."""
-        _check_id(adapter_id)
-        problems = [f"missing {name}" for name in ADAPTER_FILES if not (src_dir / name).is_file()]
-        problems += [
-            f"{name} must not be a symlink" for name in ADAPTER_FILES if (src_dir / name).is_symlink()
-        ]
-        if problems:
-            raise AdapterInvalid(problems)
-        staging = self._tmp / uuid.uuid4().hex
-        staging.mkdir(mode=_DIR_MODE)
-        try:
-            for name in ADAPTER_FILES:
-                _copy_durably(src_dir / name, staging / name)
-            _fsync_dir(staging)
-            return self._publish(adapter_id, staging)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+        if self._local:
+            return self._local.put_dir(adapter_id, src_dir)
+        assert self._remote
+        return self._remote.put_dir(adapter_id, src_dir)
 
     def path(self, ref: AdapterRef) -> Path:
-        """Directory of one version. Raises AdapterNotFound if it does not exist."""
-        _check_id(ref.adapter_id)
-        version_dir = self.root / ref.adapter_id / f"v{ref.version}"
-        if ref.version < 1 or not version_dir.is_dir():
-            raise AdapterNotFound(str(ref))
-        return version_dir
+        """Local directory of one version's files. Raises AdapterNotFound if it does not exist."""
+        if self._local:
+            return self._local.path(ref)
+        assert self._remote and self.cache
+        return self.cache.get(ref, self._remote)
+
+    def config_dir(self, ref: AdapterRef) -> Path:
+        """A local directory holding at least the version's adapter_config.json: `path(ref)` for a local
+        store or a cached version, otherwise the config alone (an object store's weights are not fetched)."""
+        if self._local:
+            return self._local.path(ref)
+        assert self._remote and self.cache
+        return self.cache.config_dir(ref, self._remote)
 
     def exists(self, ref: AdapterRef) -> bool:
-        try:
-            self.path(ref)
-        except AdapterNotFound:
-            return False
-        return True
+        if self._local:
+            return self._local.exists(ref)
+        assert self._remote and self.cache
+        return self.cache.lookup(ref) is not None or self._remote.exists(ref)
 
     def versions(self, adapter_id: str) -> list[int]:
-        _check_id(adapter_id)
-        return sorted(self._numbers(adapter_id, _VERSION_DIR))
+        if self._local:
+            return self._local.versions(adapter_id)
+        assert self._remote
+        return self._remote.versions(adapter_id)
 
     def latest(self, adapter_id: str) -> AdapterRef:
         versions = self.versions(adapter_id)
@@ -86,117 +128,27 @@ class AdapterStore:
         return AdapterRef(adapter_id, versions[-1])
 
     def delete(self, adapter_id: str) -> None:
-        """Remove every version. The rename makes it atomic; removing the files happens after."""
-        _check_id(adapter_id)
-        self._discard(self.root / adapter_id, not_found=adapter_id)
+        """Remove every version."""
+        if self._local:
+            self._local.delete(adapter_id)
+        else:
+            assert self._remote
+            self._remote.delete(adapter_id)
 
     def delete_version(self, ref: AdapterRef) -> None:
-        version_dir = self.path(ref)
-        # Tombstone first: a writer that lists the directory from now on counts this number as taken.
-        try:
-            (version_dir.parent / f"v{ref.version}.deleted").touch(mode=_FILE_MODE)
-        except FileNotFoundError:  # the whole adapter was deleted meanwhile
-            raise AdapterNotFound(str(ref)) from None
-        _fsync_dir(version_dir.parent)
-        self._discard(version_dir, not_found=str(ref))
+        if self._local:
+            self._local.delete_version(ref)
+        else:
+            assert self._remote
+            self._remote.delete_version(ref)
 
     def cleanup_tmp(self, max_age_s: float) -> int:
-        """Remove staging and trash dirs untouched for `max_age_s` (left by crashes). Returns how many."""
-        return sum(remove_stale(directory, max_age_s) for directory in (self._tmp, self._trash))
+        """Remove what writers killed mid-upload left, untouched for `max_age_s`. Returns how many."""
+        if self._local:
+            return self._local.cleanup_tmp(max_age_s)
+        assert self._remote
+        return self._remote.cleanup_tmp(max_age_s)
 
-    def _publish(self, adapter_id: str, staging: Path) -> AdapterRef:
-        adapter_dir = self.root / adapter_id
-        version = self._next_version(adapter_id)
-        for _ in range(_MAX_PUBLISH_ATTEMPTS):
-            adapter_dir.mkdir(mode=_DIR_MODE, exist_ok=True)
-            try:
-                os.rename(staging, adapter_dir / f"v{version}")
-            except FileNotFoundError:  # the adapter was deleted between mkdir and rename
-                version = self._next_version(adapter_id)
-                continue
-            except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-                version = max(version + 1, self._next_version(adapter_id))  # another writer took it
-                continue
-            _fsync_dir(adapter_dir)
-            _fsync_dir(self.root)
-            return AdapterRef(adapter_id, version)
-        raise RuntimeError(f"could not publish a new version of {adapter_id!r}")
-
-    def _next_version(self, adapter_id: str) -> int:
-        taken = self._numbers(adapter_id, _VERSION_DIR) | self._numbers(adapter_id, _TOMBSTONE)
-        return max(taken, default=0) + 1
-
-    def _numbers(self, adapter_id: str, pattern: re.Pattern[str]) -> set[int]:
-        try:
-            names = os.listdir(self.root / adapter_id)
-        except FileNotFoundError:
-            return set()
-        return {int(match[1]) for name in names if (match := pattern.fullmatch(name))}
-
-    def _discard(self, target: Path, *, not_found: str) -> None:
-        trash = self._trash / uuid.uuid4().hex
-        try:
-            os.rename(target, trash)
-        except FileNotFoundError:
-            raise AdapterNotFound(not_found) from None
-        _fsync_dir(target.parent)
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def remove_stale(directory: Path, max_age_s: float) -> int:
-    """Remove the entries of `directory` in which nothing was written for `max_age_s`: what a process killed
-    mid-upload or mid-publish left. An entry still being written stays, since its newest mtime (the files
-    inside included: appending to a file does not touch its directory) is recent. Returns how many."""
-    cutoff = time.time() - max_age_s
-    removed = 0
-    try:
-        entries = list(directory.iterdir())
-    except FileNotFoundError:
-        return 0
-    for entry in entries:
-        try:
-            stale = _newest_mtime(entry) < cutoff
-        except FileNotFoundError:
-            continue  # finished or removed meanwhile
-        if stale:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-            removed += 1
-    return removed
-
-
-def _newest_mtime(entry: Path) -> float:
-    newest = entry.lstat().st_mtime
-    if entry.is_dir() and not entry.is_symlink():
-        for parent, dirs, files in os.walk(entry):
-            for name in [*dirs, *files]:
-                with contextlib.suppress(FileNotFoundError):
-                    newest = max(newest, os.lstat(os.path.join(parent, name)).st_mtime)
-    return newest
-
-
-def _check_id(adapter_id: str) -> None:
-    if not isinstance(adapter_id, str) or _ADAPTER_ID.fullmatch(adapter_id) is None:
-        rule = "1-128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
-        raise AdapterInvalid([f"invalid adapter id {adapter_id!r}: use {rule}"])
-
-
-def _copy_durably(src: Path, dst: Path) -> None:
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
-    with src.open("rb") as reader, os.fdopen(fd, "wb") as writer:
-        shutil.copyfileobj(reader, writer, length=1 << 20)
-        writer.flush()
-        os.fsync(writer.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the directory's entries (a new file, a rename) durable, not just the file contents.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def _backend_url(self) -> str:
+        assert self._remote
+        return self._remote.url

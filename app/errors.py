@@ -16,7 +16,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound
+from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound, AdapterStoreUnavailable
 from app.limits import Decision, InvalidTokenCount, LimiterUnavailable, Limits
 from billing.errors import (
     ApiKeyNotFound,
@@ -235,6 +235,14 @@ def to_api_error(error: Exception) -> APIError:
         )
     if isinstance(error, AdapterNotFound):
         return APIError(404, str(error), param="model", code="model_not_found")
+    if isinstance(
+        error, AdapterStoreUnavailable
+    ):  # where and why stay in the log (the URL is the operator's)
+        log.warning("adapter store unavailable: %s", error)
+        message = "The adapter store is unavailable right now; please retry shortly."
+        return APIError(
+            503, message, type="server_error", code="adapter_store_unavailable", headers={"retry-after": "5"}
+        )
     if isinstance(error, AdapterInvalid):
         return APIError(400, str(error), code="invalid_adapter")
     if isinstance(error, TenantNotFound | ApiKeyNotFound):

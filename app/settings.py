@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from adapters.store import store_location
 from app.private_files import publish_secret
 from billing.db import PoolConfig
 from deployments.engine.interface import MAX_N
@@ -32,8 +33,20 @@ class Settings(BaseSettings):
     auth_cache_ttl_s: float = Field(
         default=2.0, ge=0, description="How long a key lookup is cached; revocations apply within this."
     )
-    adapter_store: Path | None = Field(
-        default=None, description="Adapter store root; default data_dir/adapters."
+    adapter_store: str | Path | None = Field(
+        default=None,
+        description=(
+            "Adapter store: a directory or file:///dir (one machine), s3://bucket/prefix (endpoint, region "
+            "and credentials from the AWS environment: AWS_ENDPOINT_URL, ...) or another fsspec URL; "
+            "default data_dir/adapters."
+        ),
+    )
+    adapter_cache_dir: Path | None = Field(
+        default=None,
+        description="Each node's cache of adapters read from an object store; default data_dir/adapter-cache",
+    )
+    adapter_cache_mb: int = Field(
+        default=10240, ge=1, description="Size bound of each node's adapter cache (least recently used go)."
     )
     leftover_max_age_s: float = Field(
         default=3600.0,
@@ -104,7 +117,6 @@ class Settings(BaseSettings):
         ge=1,
         description="Most characters of prompt text (all messages together) one request may send.",
     )
-
     max_n: int = Field(
         default=8,
         ge=1,
@@ -124,8 +136,12 @@ class Settings(BaseSettings):
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
 
-    def resolved_adapter_store(self) -> Path:
-        return self.adapter_store or self.data_dir / "adapters"
+    def resolved_adapter_store(self) -> Path | str:
+        """A local store as a Path, an object store as its URL."""
+        return store_location(self.adapter_store or self.data_dir / "adapters")
+
+    def resolved_adapter_cache_dir(self) -> Path:
+        return self.adapter_cache_dir or self.data_dir / "adapter-cache"
 
     def resolved_key_secret(self) -> bytes:
         """The configured secret, or one generated once per data_dir (0600) so restarts keep keys valid."""

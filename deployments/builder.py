@@ -13,6 +13,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from adapters.store import absolute_location
 from app.limits.factory import LimiterConfig
 from app.settings import Settings
 from deployments.engine.interface import EngineConfig
@@ -49,6 +50,11 @@ class ModelDeployment(BaseModel):
         gt=0,
         description="How often each replica writes its busy time and routing counters to the database.",
     )
+    ray_actor_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray actor options of each engine replica, over the defaults (num_cpus 0, num_gpus 1 on "
+        "CUDA): e.g. resources: {engine_node: 1} places replicas on nodes that offer that resource.",
+    )
 
 
 class AppArgs(BaseModel):
@@ -60,6 +66,12 @@ class AppArgs(BaseModel):
     ingress_max_ongoing_requests: int = Field(default=1024, ge=1)
     rollup_interval_s: float = Field(
         default=300.0, gt=0, description="How often the Metering deployment refreshes rollups (and exports)."
+    )
+    ingress_ray_actor_options: dict[str, Any] = Field(
+        default_factory=dict, description="Ray actor options of each ingress replica, over num_cpus 0."
+    )
+    metering_ray_actor_options: dict[str, Any] = Field(
+        default_factory=dict, description="Ray actor options of the metering replica, over num_cpus 0."
     )
 
     @model_validator(mode="after")
@@ -78,9 +90,12 @@ def _engine_config(model: ModelDeployment, settings: Settings) -> EngineConfig:
         "served_model_name": model.name,
     }
     config = EngineConfig(**fields)
-    return config.model_copy(
-        update={"model": Path(config.model).resolve(), "adapter_store": Path(config.adapter_store).resolve()}
-    )
+    # The adapter cache is a node's: unless the model names one, each engine replica takes its own node's
+    # (deployments/engine_replica.py), not the value of the node this builder happens to run on.
+    update = {"model": Path(config.model).resolve(), "adapter_store": absolute_location(config.adapter_store)}
+    if config.adapter_cache_dir is not None:
+        update["adapter_cache_dir"] = config.adapter_cache_dir.resolve()
+    return config.model_copy(update=update)
 
 
 def _wants_gpu(config: EngineConfig) -> bool:
@@ -114,11 +129,15 @@ def build_app(args: dict[str, Any]) -> Application:
             graceful_shutdown_wait_loop_s=1.0,
             **scaling,
             # CPU engines take no Ray CPU: on small machines the ingress and engines must share cores.
-            ray_actor_options={"num_cpus": 0, "num_gpus": 1 if _wants_gpu(config) else 0},
+            ray_actor_options={
+                "num_cpus": 0,
+                "num_gpus": 1 if _wants_gpu(config) else 0,
+                **model.ray_actor_options,
+            },
             health_check_period_s=10,
         )(EngineReplica)
         handles[model.name] = deployment.bind(
-            config.model_dump(mode="json"), report_interval_s=model.report_interval_s
+            config.model_dump(mode="json", exclude_unset=True), report_interval_s=model.report_interval_s
         )
         models[model.name] = {
             "model": str(config.model),
@@ -130,7 +149,7 @@ def build_app(args: dict[str, Any]) -> Application:
         name="metering",
         num_replicas=1,
         max_ongoing_requests=64,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **parsed.metering_ray_actor_options},
     )(Metering).bind(rollup_interval_s=parsed.rollup_interval_s)
     ingress = serve.deployment(
         name="ingress",
@@ -140,7 +159,7 @@ def build_app(args: dict[str, Any]) -> Application:
         # streams: it drains as long as the engines do, rather than Serve's 20 s, which would cut them.
         graceful_shutdown_timeout_s=max(m.drain_timeout_s for m in parsed.models),
         graceful_shutdown_wait_loop_s=1.0,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **parsed.ingress_ray_actor_options},
     )(Ingress)
     app: Application = ingress.bind(handles, models, parsed.rate_limiter.model_dump(), metering)
     return app

@@ -43,6 +43,17 @@ def _replica_name(model: str) -> str:
 log = logging.getLogger(__name__)
 
 
+def _node_local(engine_config: dict[str, Any]) -> dict[str, Any]:
+    """The adapter cache settings the model's config leaves unset, from this node's environment
+    (LORAPLEX_ADAPTER_CACHE_DIR, LORAPLEX_ADAPTER_CACHE_MB: what its `ray start` was given)."""
+    settings = Settings()
+    return {
+        "adapter_cache_dir": str(settings.resolved_adapter_cache_dir().resolve()),
+        "adapter_cache_mb": settings.adapter_cache_mb,
+        **engine_config,
+    }
+
+
 class EngineReplica:
     def __init__(
         self,
@@ -54,7 +65,7 @@ class EngineReplica:
     ) -> None:
         log_context.route_to_serve()
         quiet_dependencies()  # before this replica imports the ML stack
-        self.config = EngineConfig(**engine_config)
+        self.config = EngineConfig(**_node_local(engine_config))
         # Imported here, after quiet_dependencies: the model stack is this replica's, not its module's (the
         # application builder imports this module too, and needs none of it).
         from deployments.engine.interface import AsyncEngine

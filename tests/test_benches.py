@@ -31,6 +31,14 @@ BENCHES = {
     "gateway": {"requests", "overhead_p50_ms", "serve_overhead_p50_ms"},
     "routing": {"ours", "default", "ratios"},
     "grammar_libraries": {"xgrammar", "llguidance", "cpu", "chosen"},
+    "adapter_store": {
+        "upload_ms",
+        "cold_ms",
+        "hit_fresh_ms",
+        "hit_ms",
+        "local_ms",
+        "ratio_cold_vs_hit_fresh",
+    },
     "structured": {"throughput_ratio", "compile_p50_ms", "compile_p99_ms", "mask_us_per_token", "cpu"},
     "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},
 }

@@ -1,5 +1,6 @@
 """LimiterConfig, serve_config.yaml's `rate_limiter:` section, and the backend it names."""
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -13,7 +14,10 @@ class LimiterConfig(BaseModel):
     backend: Literal["ray", "redis"] = Field(
         default="ray", description="ray: one actor in this cluster (no other service); redis: production."
     )
-    redis_url: str | None = Field(default=None, description="redis://host:port/db, for backend redis.")
+    redis_url: str | None = Field(
+        default_factory=lambda: os.environ.get("LORAPLEX_REDIS_URL") or None,
+        description="redis://host:port/db, for backend redis; unset: LORAPLEX_REDIS_URL from the environment",
+    )
     fail_open: bool = Field(
         default=False, description="Admit requests when the limiter is unreachable (default: answer 503)."
     )
@@ -33,7 +37,9 @@ class LimiterConfig(BaseModel):
     @model_validator(mode="after")
     def _redis_needs_url(self) -> "LimiterConfig":
         if self.backend == "redis" and not self.redis_url:
-            raise ValueError("rate_limiter.backend redis needs rate_limiter.redis_url")
+            raise ValueError(
+                "rate_limiter.backend redis needs rate_limiter.redis_url (or LORAPLEX_REDIS_URL)"
+            )
         return self
 
 

@@ -1,10 +1,12 @@
 """EngineConfig: everything one engine replica needs to know, validated up front."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from adapters.store import store_location
 
 Quantization = Literal["none", "nf4", "int8", "awq"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -46,7 +48,21 @@ class EngineConfig(BaseModel):
     lora_target_modules: tuple[str, ...] = Field(
         default=DEFAULT_LORA_TARGETS, description="Linear module names that accept LoRA deltas."
     )
-    adapter_store: Path = Field(description="Root of the versioned on-disk adapter store.")
+    adapter_store: Annotated[str | Path, AfterValidator(store_location)] = Field(
+        description="Versioned adapter store: a directory, file:///dir, s3://bucket/prefix, an fsspec URL."
+    )
+    adapter_cache_dir: Path | None = Field(
+        default=None,
+        description=(
+            "Node-local cache of versions read from an object store, shared by the node's replicas; unset: "
+            "a per-user directory under the system temp dir. A local store is read in place, uncached."
+        ),
+    )
+    adapter_cache_mb: int = Field(
+        default=10240,
+        ge=1,
+        description="Size bound of adapter_cache_dir; least recently used versions go first.",
+    )
     block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(
         default=None, ge=2, description="KV-cache blocks; when unset, sized from kv_cache_memory_mb."

@@ -73,7 +73,11 @@ class LLMEngine:
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.adapters = AdapterManager(
-            AdapterStore(config.adapter_store),
+            AdapterStore(
+                config.adapter_store,
+                cache_dir=config.adapter_cache_dir,
+                cache_max_bytes=config.adapter_cache_mb * 2**20,
+            ),
             m.lora_modules,
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from adapters.errors import AdapterInvalid, AdapterNotFound, AdapterRankTooLarge
+from adapters.errors import AdapterInvalid, AdapterNotFound, AdapterRankTooLarge, AdapterStoreUnavailable
 from billing.errors import TenantNotFound
 from deployments.engine.errors import EmptyPrompt, InvalidRequest, InvalidSamplingParams, PromptTooLong
 
@@ -19,6 +19,7 @@ from deployments.engine.errors import EmptyPrompt, InvalidRequest, InvalidSampli
         AdapterNotFound("x@v1"),
         AdapterInvalid(["a", "b"]),
         AdapterRankTooLarge(32, 16),
+        AdapterStoreUnavailable("s3://bucket/adapters", "connection refused"),
         TenantNotFound("ten_1"),
     ],
 )

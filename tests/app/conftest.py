@@ -90,9 +90,14 @@ class Served:
 
 @contextlib.contextmanager
 def serving(
-    llama: TinySetup, data_dir: Path, wrap: Callable[[ASGIApp], ASGIApp] | None = None
+    llama: TinySetup,
+    data_dir: Path,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
+    store: str | None = None,
 ) -> Iterator[Served]:
-    """The app over a fresh in-process engine and SQLite database; `wrap` puts ASGI middleware around it."""
+    """The app over a fresh in-process engine and SQLite database; `wrap` puts ASGI middleware around it;
+    `store`: an adapter store URL in place of the setup's local store (the engine reads it through a node
+    cache under data_dir)."""
     url = f"sqlite:///{data_dir / 'loraplex.db'}"
     upgrade(url)
     settings = Settings(
@@ -101,13 +106,15 @@ def serving(
         admin_key=ADMIN_KEY,
         auth_cache_ttl_s=0.2,
         adapter_cache_ttl_s=0.2,
-        adapter_store=llama.store_root,
+        adapter_store=store or llama.store_root,
+        adapter_cache_dir=data_dir / "ingress-cache",
     )
     engine = AsyncEngine(
         EngineConfig(
             model=llama.model_dir,
             served_model_name=MODEL,
-            adapter_store=llama.store_root,
+            adapter_store=store or llama.store_root,
+            adapter_cache_dir=data_dir / "engine-cache",
             num_kv_blocks=256,
             block_size=4,
             max_num_seqs=16,

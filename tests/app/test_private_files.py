@@ -79,7 +79,7 @@ def test_a_secret_is_never_written_through_an_existing_file_or_link(tmp_path: Pa
 def test_leftovers_of_killed_uploads_are_swept_at_startup(tmp_path: Path) -> None:
     """A killed upload's temp dir and store staging go at the next start; an upload in progress stays."""
     settings = Settings(data_dir=tmp_path, database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
-    store_tmp = settings.resolved_adapter_store() / ".tmp"
+    store_tmp = Path(settings.resolved_adapter_store()) / ".tmp"
     uploads = tmp_path / UPLOADS_DIR
     old = time.time() - settings.leftover_max_age_s - 60
     leftovers: list[Path] = []

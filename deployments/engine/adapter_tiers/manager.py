@@ -61,7 +61,7 @@ class AdapterManager:
         if spec is None:
             if not self.store.exists(ref):
                 raise AdapterNotFound(str(ref))
-            spec = AdapterSpec.from_dir(self.store.path(ref))
+            spec = AdapterSpec.from_dir(self.store.config_dir(ref))
             self._specs[ref] = spec
         if spec.max_rank > self.max_rank:
             raise AdapterRankTooLarge(spec.max_rank, self.max_rank)

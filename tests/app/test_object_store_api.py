@@ -1,0 +1,79 @@
+"""The platform on an S3 adapter store (moto's server over HTTP, s3fs as in production), through HTTP:
+an upload is servable at once and equals PEFT; with the store gone, uploads answer 503 and leave nothing
+behind while adapters already in the engine's node cache keep serving."""
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+from openai import OpenAI
+
+from tests.app.conftest import Served, serving
+from tests.app.test_adapters_api import greedy, reference_text, upload_files
+from tests.engine.reference import PeftReference
+from tests.model_fixtures import TinySetup
+
+BUCKET = "loraplex-adapters"
+
+
+@pytest.fixture(scope="module")
+def s3(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[ThreadedMotoServer]:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_MAX_ATTEMPTS": "1",  # the outage below fails at once instead of retrying
+    }.items():
+        monkeypatch_module.setenv(name, value)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def on_s3(
+    llama: TinySetup, tmp_path_factory: pytest.TempPathFactory, s3: ThreadedMotoServer
+) -> Iterator[Served]:
+    with serving(llama, tmp_path_factory.mktemp("s3-app"), store=f"s3://{BUCKET}/prod") as app:
+        yield app
+
+
+def test_uploads_serve_from_the_store_and_outlive_its_outage(on_s3: Served, s3: ThreadedMotoServer) -> None:
+    tenant_id, key = on_s3.new_tenant(f"s3-{uuid.uuid4().hex[:8]}")
+    response = upload_files(on_s3, "sql", tenant_id, on_s3.setup.adapter_dirs["demo-sql"])
+    assert response.status_code == 201, response.text
+    reference = PeftReference(on_s3.setup.model_dir, on_s3.setup.adapter_dirs)
+    client = OpenAI(base_url=f"{on_s3.url}/v1", api_key=key, max_retries=0)
+    expected = reference_text(on_s3, reference, "demo-sql")
+    assert greedy(client, "sql") == expected
+    cached = list(Path(on_s3.data_dir / "engine-cache").rglob("adapter_model.safetensors"))
+    assert cached, "the engine read the version through its node cache"
+
+    s3.stop()  # the object store goes away
+    try:
+        refused = upload_files(on_s3, "poet", tenant_id, on_s3.setup.adapter_dirs["demo-poet"])
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "adapter_store_unavailable" and "s3://" not in error["message"]
+        with on_s3.admin() as admin:
+            names = [
+                a["name"] for a in admin.get("/admin/adapters", params={"owner": tenant_id}).json()["data"]
+            ]
+        assert names == ["sql"], "a refused upload leaves no adapter behind"
+        assert greedy(client, "sql") == expected  # served from the engine's tiers and node cache
+    finally:
+        s3.start()
