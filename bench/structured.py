@@ -31,16 +31,27 @@ from deployments.engine.interface import EngineRequest, SamplingParams, Structur
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.scheduler import ScheduledSequence
 
-# Long enough that a random model's output stays inside the grammar for many tokens.
+# A grammar that cannot be complete within max_tokens (64 items of ~20 characters), so every constrained
+# row runs as long as the free rows (EOS ignored): both peers decode the same number of tokens per row.
 RECORD = {
     "type": "object",
     "properties": {
-        "title": {"type": "string", "maxLength": 40},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 6},
-        "score": {"type": "number"},
-        "ok": {"type": "boolean"},
+        "items": {
+            "type": "array",
+            "minItems": 64,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "tag": {"enum": ["red", "green", "blue"]},
+                    "note": {"type": "string", "maxLength": 12},
+                },
+                "required": ["id", "tag", "note"],
+                "additionalProperties": False,
+            },
+        }
     },
-    "required": ["title", "tags", "score", "ok"],
+    "required": ["items"],
     "additionalProperties": False,
 }
 
@@ -79,7 +90,13 @@ def batch(
     out = []
     for i in range(size):
         structured = spec if constrained and i % 2 == 0 else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, structured=structured)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.8,
+            seed=i,
+            structured=structured,
+            ignore_eos=structured is None,
+        )
         prompt = [5 + (i * 37 + j * 11) % 1900 for j in range(24)]
         out.append(EngineRequest(f"{tag}-{i}", prompt, params, adapters[i % len(adapters)]))
     return out
