@@ -21,6 +21,7 @@ single replica whenever one is clearly right, so the choice stays deterministic.
 
 import hashlib
 import logging
+import random
 import time
 from collections import OrderedDict
 from typing import Any
@@ -143,7 +144,9 @@ class AdapterAwareRouter(RequestRouter):
         return max(reported, float(queued or 0))
 
     def _by_load(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
-        return sorted(replicas, key=self._load)
+        # Ties in random order: a burst decided before any of it reaches a replica sees every replica
+        # equally idle, and a stable order would send the whole burst to the first one.
+        return sorted(replicas, key=lambda r: (self._load(r), random.random()))
 
 
 def _stats(replica: RunningReplica) -> dict[str, Any]:

@@ -127,3 +127,14 @@ def _prefix(prompt: list[int], tenant: str) -> str:
     key = prefix_key(request(None, prompt, tenant))
     assert key is not None
     return key
+
+
+def test_a_burst_over_equally_idle_replicas_spreads() -> None:
+    """Decisions made before any of the burst reaches a replica see the same load everywhere: ties are
+    broken at random, so the burst does not all go to the first replica in some fixed order."""
+    replicas = [FakeReplica(name, stats()) for name in "abc"]
+    router = make_router()
+    leaders = {router._rank(replicas, request(None))[1][0].name for _ in range(60)}  # type: ignore[arg-type,attr-defined]
+    assert leaders == {"a", "b", "c"}
+    busy = [FakeReplica("a", stats(running=1)), *replicas[1:]]
+    assert all(router._rank(busy, request(None))[1][-1].name == "a" for _ in range(20))  # type: ignore[arg-type,attr-defined]
