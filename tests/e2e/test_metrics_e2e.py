@@ -74,10 +74,16 @@ def test_metrics_are_exported_per_tenant_model_and_replica(serve_app: ServeApp) 
     assert complete(serve_app, key).status_code == 429
 
     def complete_picture(samples: list[Sample]) -> bool:
+        # Every series the checks below read: Ray exports each on its own schedule, so one being there
+        # says nothing about another.
         done = find(samples, "ray_loraplex_requests_total", tenant=tenant_id, status="completed")
+        limited = find(samples, "ray_loraplex_limiter_rejections_total", tenant=tenant_id, reason="requests")
         return (
             sum(s.value for s in done) == 3
             and bool(find(samples, "ray_loraplex_requests_total", tenant=tenant_id, status="rejected"))
+            and sum(s.value for s in limited) >= 1
+            and sum(s.value for s in find(samples, "ray_loraplex_ttft_ms_count", tenant=tenant_id)) >= 3
+            and bool(find(samples, "ray_loraplex_queue_ms_count", tenant=tenant_id))
             and bool(find(samples, "ray_loraplex_engine_kv_usage", base_model=MODEL))
             and bool(find(samples, "ray_loraplex_metering_backlog"))
         )
