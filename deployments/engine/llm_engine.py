@@ -312,7 +312,7 @@ class LLMEngine:
         only the rows that use them. The per-row retry only runs after a failure (a seeded row may then
         draw from a generator the failed batch call already advanced)."""
         asked = [i for i, s in enumerate(sampling) if s.seq.params.logprobs is not None]
-        raw = logits[asked].clone() if asked else None  # [A, V]: before biases and masks
+        raw = logits[asked] if asked else None  # [A, V]: a copy (list indexing), before biases and masks
         self._constrain(logits, sampling)
         rows = [self._sampling_row(s.seq) for s in sampling]
         tokens: list[int | str]
