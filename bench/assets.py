@@ -45,3 +45,35 @@ def ensure_bench_assets(
             store.put_dir(name, path)
     (root / "README.json").write_text(json.dumps({"note": "benchmark cache; safe to delete"}))
     return model_dir, store_root, dirs
+
+
+def ensure_mixed_adapters(
+    *, preset: str, ranks: list[int], root: Path = BENCH_DIR
+) -> tuple[Path, Path, list[str]]:
+    """(model_dir, store_root, names): adapter i has rank ranks[i], all seven linear targets, PEFT-made.
+
+    One PEFT wrapper per distinct rank, re-randomised per adapter; a store shared by every run that asks
+    for a prefix of the same rank list (names carry their rank, so a different list builds new ones)."""
+    model_dir = ensure_model(root / preset, arch="llama", preset=preset)
+    adapter_root = root / f"{preset}-adapters-mixed"
+    names = [f"mt-{i:03d}-r{rank}" for i, rank in enumerate(ranks)]
+    missing = [(n, r) for n, r in zip(names, ranks, strict=True) if not (adapter_root / n).is_dir()]
+    for rank in sorted({r for _, r in missing}):
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(DEFAULT_LORA_TARGETS))
+        model = get_peft_model(base, config)
+        for name in [n for n, r in missing if r == rank]:
+            generator = torch.Generator().manual_seed(int(name.split("-")[1]))
+            with torch.no_grad():
+                for pname, param in model.named_parameters():
+                    if "lora_A" in pname or "lora_B" in pname:
+                        param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+            target = adapter_root / name
+            model.save_pretrained(str(target.with_name(name + ".tmp")))
+            target.with_name(name + ".tmp").rename(target)  # a killed build leaves no half adapter
+    store_root = root / f"{preset}-store-mixed"
+    store = AdapterStore(store_root)
+    for name in names:
+        if not store.versions(name):
+            store.put_dir(name, adapter_root / name)
+    return model_dir, store_root, names

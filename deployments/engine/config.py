@@ -7,6 +7,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from adapters.store import store_location
+from deployments.engine.cpu_features import cpu_features
 
 Quantization = Literal["none", "nf4", "int8", "awq"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -37,10 +38,27 @@ class EngineConfig(BaseModel):
     )
     dtype: DTypeName = Field(
         default="auto",
-        description="Compute dtype. auto: float32 on CPU (exact reference matching), bfloat16 on CUDA.",
+        description=(
+            "Compute dtype. auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), "
+            "float32 on other CPUs, where bf16 is emulated and slower than fp32. Set float32 for exact "
+            "reference matching."
+        ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto picks CUDA if present.")
-    max_loras: int = Field(default=8, ge=1, le=256, description="Adapter slots on the device.")
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="Adapter slots on the device; unset: as many as lora_memory_mb holds (1 to 256).",
+    )
+    lora_memory_mb: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "Device memory for adapter slots when max_loras is unset. A slot holds one adapter padded to "
+            "max_lora_rank on every target module, in the compute dtype."
+        ),
+    )
     max_cpu_loras: int = Field(default=32, ge=1, description="Adapters kept in CPU memory (LRU).")
     max_lora_rank: int = Field(
         default=16, ge=1, le=256, description="Largest servable rank; slots pad to it."
@@ -78,6 +96,15 @@ class EngineConfig(BaseModel):
         default=None, ge=2, description="Context limit (prompt + output); defaults to the model's."
     )
     max_waiting: int = Field(default=4096, ge=1, description="Queued requests beyond which add is refused.")
+    adapter_wait_bound_s: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "A request that has waited this long for a device slot takes one: the running users of the least "
+            "wanted slot are preempted (their KV stays in the prefix cache), so no adapter waits unboundedly "
+            "for busy slots to drain. 0 turns it off (slots only drain)."
+        ),
+    )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes.")
     seed: int = Field(default=0, description="Seed of the generator used by requests without their own.")
     grammar_compile_timeout_s: float = Field(
@@ -108,6 +135,19 @@ class EngineConfig(BaseModel):
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return self.dtype_choice()[0]
+
+    def dtype_choice(self) -> tuple[torch.dtype, str]:
+        """The compute dtype and why it was chosen (logged at load)."""
+        if self.dtype != "auto":
+            named = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+            return named[self.dtype], "set in the config"
+        if self.torch_device().type == "cuda":
+            return torch.bfloat16, "auto: CUDA"
+        cpu = cpu_features()
+        if cpu.native_bf16:
+            return torch.bfloat16, f"auto: the CPU has native bf16 ({', '.join(cpu.isa)})"
+        return (
+            torch.float32,
+            f"auto: the CPU has no native bf16 ({', '.join(cpu.isa) or 'no AVX'}), fp32 is faster",
+        )

@@ -79,7 +79,7 @@ class LLMEngine:
                 cache_max_bytes=config.adapter_cache_mb * 2**20,
             ),
             m.lora_modules,
-            max_loras=config.max_loras,
+            max_loras=m.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             max_rank=config.max_lora_rank,
             dtype=m.dtype,
@@ -90,9 +90,10 @@ class LLMEngine:
             self.adapters,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_loras=config.max_loras,
+            max_loras=m.max_loras,
+            adapter_wait_bound_s=config.adapter_wait_bound_s,
         )
-        self.runner = ModelRunner(m, self.kv_cache, max_loras=config.max_loras)
+        self.runner = ModelRunner(m, self.kv_cache, max_loras=m.max_loras)
         dims = {config.max_lora_rank} | {
             d for mod in m.lora_modules.values() for d in (mod.in_features, mod.out_features)
         }

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -41,7 +42,8 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     weights_bytes: int  # the base model's parameters and buffers, as resident
-    lora_slot_bytes: int
+    lora_slot_bytes: int  # all slots together
+    max_loras: int  # device adapter slots (the config's, or sized from lora_memory_mb)
 
 
 def _quantization_config(config: EngineConfig, dtype: torch.dtype) -> BitsAndBytesConfig | None:
@@ -78,9 +80,30 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig | 
     return frozenset(ids)
 
 
+def slots_for_memory(model: nn.Module, config: EngineConfig, dtype: torch.dtype) -> int:
+    """How many adapter slots fit in lora_memory_mb: a slot is max_lora_rank x (in + out) per target."""
+    per_slot = (
+        sum(
+            config.max_lora_rank * (int(getattr(m, "in_features")) + int(getattr(m, "out_features")))  # noqa: B009
+            for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1] in config.lora_target_modules
+        )
+        * dtype.itemsize
+    )
+    slots = max(1, min(256, config.lora_memory_mb * 2**20 // max(1, per_slot)))
+    log.info(
+        "%d adapter slots of %.1f MiB fit in lora_memory_mb=%d",
+        slots,
+        per_slot / 2**20,
+        config.lora_memory_mb,
+    )
+    return slots
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     device = config.torch_device()
-    dtype = config.torch_dtype()
+    dtype, why = config.dtype_choice()
+    log.info("compute dtype %s (%s)", dtype, why)
     hf_config = AutoConfig.from_pretrained(config.model)
     _check_checkpoint(config, hf_config)
     quantization = _quantization_config(config, dtype)
@@ -96,11 +119,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
     weights_bytes = int(model.get_memory_footprint())  # type: ignore[no-untyped-call]
 
+    max_loras = config.max_loras or slots_for_memory(model, config, dtype)
     context = LoRAContext()
     lora_modules = wrap_lora_modules(
         model,
         targets=config.lora_target_modules,
-        max_loras=config.max_loras,
+        max_loras=max_loras,
         max_rank=config.max_lora_rank,
         dtype=dtype,
         device=device,
@@ -132,6 +156,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         eos_token_ids=_eos_ids(tokenizer, generation),
         weights_bytes=weights_bytes,
         lora_slot_bytes=slot_bytes,
+        max_loras=max_loras,
     )
     log.info(
         "loaded %s (%s, %s on %s): weights %.1f MiB, %d LoRA modules x %d slots = %.1f MiB",
@@ -141,7 +166,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         device,
         weights_bytes / 2**20,
         len(lora_modules),
-        config.max_loras,
+        max_loras,
         slot_bytes / 2**20,
     )
     return loaded

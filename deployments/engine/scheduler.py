@@ -2,7 +2,9 @@
 
 Every step: running decodes first (one token each, so a long prompt never freezes them), then running
 prefills in chunks, then waiting requests in arrival order under the per-step token budget. A waiting
-request whose adapter is not resident is skipped (it waits only for its own adapter), and so is a
+request whose adapter is not resident is skipped (it waits only for its own adapter: requests of resident
+adapters batch first, while the adapter manager loads the queue's adapters ahead of need and frees slots
+by queued demand; the oldest waiter of a cold adapter gets the first slot that frees), and so is a
 further choice of a prompt whose first choice has not finished its prefill (it then reuses those blocks).
 When KV blocks run out, the newest running sequences are preempted (their blocks freed, recomputed later
 from the prefix cache), and they go back to the front of the queue so nobody starves.
@@ -55,12 +57,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int,
+        adapter_wait_bound_s: float = 0.0,
     ) -> None:
         self.blocks = blocks
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._base_order = max_loras  # sort key putting base-model tokens after every slot
+        self.adapter_wait_bound_s = adapter_wait_bound_s
+        self.slot_preemptions = 0  # sequences preempted to hand their slot to an overdue adapter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admission first
         self.num_preemptions = 0
@@ -117,11 +122,25 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
+        seq.metrics.queued = time.monotonic()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted += 1
 
+    def _plan_adapters(self) -> None:
+        """Tell the adapter manager what the queue needs and how many tokens each busy slot still owes."""
+        queued = [s.adapter for s in self.waiting if s.adapter is not None]
+        remaining: dict[int, int] = {}
+        for seq in self.running:
+            if seq.slot >= 0:
+                left = seq.max_tokens - seq.num_output_tokens
+                remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
+        self.adapters.plan(queued, remaining)
+
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        if self.waiting:
+            self._plan_adapters()
+        overdue_served = False  # at most one slot taken by force per step: bounds the churn
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
@@ -135,6 +154,9 @@ class Scheduler:
                     self.finish(seq, FinishReason.ERROR)
                     out.failed.append(seq)
                     continue
+                if slot is None and not overdue_served and self._overdue(seq):
+                    slot = self._take_slot(seq, out)
+                    overdue_served = slot is not None
                 if slot is None:
                     continue
                 seq.slot = slot
@@ -155,6 +177,22 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+
+    def _overdue(self, seq: Sequence) -> bool:
+        bound = self.adapter_wait_bound_s
+        return bound > 0 and time.monotonic() - seq.metrics.waiting_since() >= bound
+
+    def _take_slot(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """Free the least wanted busy slot for an overdue request by preempting its running users (they
+        requeue at the front and resume from the prefix cache), then give it the slot."""
+        assert seq.adapter is not None
+        victim = self.adapters.slot_to_free(seq.adapter)
+        if victim is None:
+            return None
+        for user in [s for s in self.running if s.slot == victim]:
+            self._preempt(user, out)
+            self.slot_preemptions += 1
+        return self.adapters.acquire(seq.adapter)
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:

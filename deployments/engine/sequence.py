@@ -33,6 +33,10 @@ class SequenceMetrics:
     cached_prompt_tokens: int = 0
     prompt_processed: int = 0  # most prompt tokens ever in the KV cache (preemption resets num_computed)
     num_preemptions: int = 0
+    queued: float | None = None  # when it last entered the waiting queue (arrival, or its preemption)
+
+    def waiting_since(self) -> float:
+        return self.arrival if self.queued is None else self.queued
 
 
 @dataclass(slots=True, eq=False)

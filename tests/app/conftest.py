@@ -112,6 +112,7 @@ def serving(
     engine = AsyncEngine(
         EngineConfig(
             model=llama.model_dir,
+            dtype="float32",
             served_model_name=MODEL,
             adapter_store=store or llama.store_root,
             adapter_cache_dir=data_dir / "engine-cache",

@@ -34,7 +34,11 @@ def client(served: Served, tenant: tuple[str, str]) -> OpenAI:
 def reference(served: Served) -> Iterator[LLMEngine]:
     """A separate engine over the same model: what the platform must reproduce."""
     setup = served.setup
-    engine = LLMEngine(EngineConfig(model=setup.model_dir, adapter_store=setup.store_root, num_kv_blocks=128))
+    engine = LLMEngine(
+        EngineConfig(
+            model=setup.model_dir, dtype="float32", adapter_store=setup.store_root, num_kv_blocks=128
+        )
+    )
     yield engine
     engine.close()
 

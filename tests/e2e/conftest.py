@@ -41,6 +41,7 @@ def engine_settings(setup: TinySetup, **overrides: Any) -> dict[str, Any]:
     """No adapter_store: every engine uses the platform's one store (LORAPLEX_ADAPTER_STORE)."""
     return {
         "model": str(setup.model_dir),
+        "dtype": "float32",  # outputs are compared with fp32 references
         "num_kv_blocks": 256,
         "block_size": 4,
         "max_num_seqs": 16,

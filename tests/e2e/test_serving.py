@@ -40,7 +40,9 @@ def test_chat_over_http_equals_the_engine(serve_app: ServeApp, client: OpenAI, m
     reply = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=16, temperature=0.7, seed=3
     )
-    engine = LLMEngine(EngineConfig(model=setup.model_dir, adapter_store=setup.store_root, num_kv_blocks=64))
+    engine = LLMEngine(
+        EngineConfig(model=setup.model_dir, dtype="float32", adapter_store=setup.store_root, num_kv_blocks=64)
+    )
     prompt = PromptBuilder(setup.model_dir).chat([ChatMessage(**m) for m in MESSAGES])
     engine.add_request(EngineRequest("ref", prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=3)))
     assert reply.choices[0].message.content == text(drain(engine)["ref"])

@@ -13,6 +13,7 @@ from tests.model_fixtures import TinySetup
 def make_engine(setup: TinySetup, **overrides: Any) -> LLMEngine:
     settings: dict[str, Any] = {
         "model": setup.model_dir,
+        "dtype": "float32",  # the references are fp32 PEFT
         "adapter_store": setup.store_root,
         "max_loras": 4,
         "max_lora_rank": 16,

@@ -18,7 +18,12 @@ from tests.model_fixtures import TinySetup
 @pytest.fixture
 def engine(llama: TinySetup):
     config = EngineConfig(
-        model=llama.model_dir, adapter_store=llama.store_root, max_loras=4, block_size=4, num_kv_blocks=256
+        model=llama.model_dir,
+        dtype="float32",
+        adapter_store=llama.store_root,
+        max_loras=4,
+        block_size=4,
+        num_kv_blocks=256,
     )
     engine = AsyncEngine(config)
     yield engine

@@ -337,3 +337,32 @@ def test_load_counters(make_cache: MakeCache, loader: FakeLoader, monkeypatch: p
     with pytest.raises(ValueError, match="bad"):
         pending(cache, C).result(timeout=WAIT)
     assert (cache.loads, cache.load_seconds) == (2, 0.75)  # counts completed loads only
+
+
+def test_adapters_queued_requests_want_are_evicted_last(make_cache: MakeCache) -> None:
+    cache = make_cache(capacity=2)
+    load(cache, A)
+    load(cache, B)
+    cache.want(frozenset({A}))
+    load(cache, C)  # A is the least recently used, but wanted by the queue: B goes
+    assert cache.resident() == [A, C]
+    cache.want(frozenset({A, C}))
+    load(cache, D)  # everything left is wanted: plain LRU among them
+    assert cache.resident() == [C, D]
+
+
+def test_needs_load_is_false_while_resident_loading_or_failed(
+    make_cache: MakeCache, loader: FakeLoader
+) -> None:
+    cache = make_cache()
+    assert cache.needs_load(A)
+    gate = loader.hold(A)
+    future = pending(cache, A)
+    assert not cache.needs_load(A)  # loading
+    gate.set()
+    future.result(timeout=WAIT)
+    assert not cache.needs_load(A)  # resident
+    loader.errors[B] = RuntimeError("corrupt")
+    with pytest.raises(RuntimeError):
+        pending(cache, B).result(timeout=WAIT)
+    assert not cache.needs_load(B)  # failed: only an explicit prefetch retries it

@@ -44,6 +44,33 @@ def loaded(table: SlotTable, ref: AdapterRef, users: int = 0) -> int:
 # -- claim --------------------------------------------------------------------------------------------
 
 
+def test_claim_evicts_the_idle_adapter_with_the_lowest_score_first() -> None:
+    table = SlotTable(2)
+    a, b = loaded(table, A), loaded(table, B)  # both idle, A least recently used
+    demand = {A: 3, B: 0, C: 0}
+    assert table.claim(C, score=lambda ref: demand[ref]) == b  # A has queued requests: B goes
+    assert table.resident() == {A: a, C: b}
+    demand[C] = 1
+    assert table.claim(D, score=lambda ref: demand[ref]) == b  # C wanted less than A
+    check_invariants(table)
+
+
+def test_start_draining_takes_only_busy_unpinned_slots() -> None:
+    table = SlotTable(3)
+    a, b = loaded(table, A, users=1), loaded(table, B, users=2)
+    loaded(table, C)  # idle
+    table.pinned.add(A)
+    assert table.drainable() == [b]
+    table.start_draining(b)
+    assert table.num_draining == 1 and table.drainable() == []
+    assert table.lookup(B) is None  # takes no new sequences
+    table.release(b)
+    table.release(b)
+    assert not table.holds(B) and table.num_draining == 0  # freed with its last user
+    assert table.users(a) == 1
+    check_invariants(table)
+
+
 def test_claim_takes_free_slots_first() -> None:
     table = SlotTable(3)
     assert table.num_free == 3

@@ -132,7 +132,11 @@ def test_a_grammar_survives_preemption_and_a_prefix_hit(llama: TinySetup) -> Non
 @pytest.fixture
 def async_engine(llama: TinySetup):
     config = EngineConfig(
-        model=llama.model_dir, adapter_store=llama.store_root, block_size=4, num_kv_blocks=256
+        model=llama.model_dir,
+        dtype="float32",
+        adapter_store=llama.store_root,
+        block_size=4,
+        num_kv_blocks=256,
     )
     engine = AsyncEngine(config)
     yield engine
@@ -160,6 +164,7 @@ async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
 ) -> None:
     config = EngineConfig(
         model=llama.model_dir,
+        dtype="float32",
         adapter_store=llama.store_root,
         block_size=4,
         num_kv_blocks=256,

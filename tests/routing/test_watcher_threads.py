@@ -36,7 +36,12 @@ class ThreadRecorder:
 @pytest.fixture
 def engine(llama: TinySetup) -> Iterator[AsyncEngine]:
     config = EngineConfig(
-        model=llama.model_dir, adapter_store=llama.store_root, num_kv_blocks=64, block_size=4, max_loras=4
+        model=llama.model_dir,
+        dtype="float32",
+        adapter_store=llama.store_root,
+        num_kv_blocks=64,
+        block_size=4,
+        max_loras=4,
     )
     engine = AsyncEngine(config)
     yield engine

@@ -25,6 +25,7 @@ class CpuAdapterCache:
         self._loading: dict[AdapterRef, Future[AdapterWeights]] = {}
         self._failed: dict[AdapterRef, Exception] = {}
         self._pinned: set[AdapterRef] = set()
+        self._wanted: frozenset[AdapterRef] = frozenset()  # queued requests need them: evicted last
         self._cancelled: set[AdapterRef] = set()  # removed while loading: not to be cached
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="adapter-load")
         self.loads = 0
@@ -42,6 +43,15 @@ class CpuAdapterCache:
             raise error
         return None
 
+    def is_ready(self, ref: AdapterRef) -> bool:
+        with self._lock:
+            return ref in self._ready
+
+    def needs_load(self, ref: AdapterRef) -> bool:
+        """Neither resident, nor loading, nor failed (a failed load is retried on explicit prefetch)."""
+        with self._lock:
+            return ref not in self._ready and ref not in self._loading and ref not in self._failed
+
     def prefetch(self, ref: AdapterRef) -> Future[AdapterWeights] | None:
         """Start loading `ref` unless it is resident or already loading. Returns the pending load, if any."""
         with self._lock:
@@ -58,6 +68,11 @@ class CpuAdapterCache:
     def pin(self, ref: AdapterRef) -> None:
         with self._lock:
             self._pinned.add(ref)
+
+    def want(self, refs: frozenset[AdapterRef]) -> None:
+        """The adapters queued requests need: eviction takes them only when nothing else is left."""
+        with self._lock:
+            self._wanted = refs
 
     def unpin(self, ref: AdapterRef) -> None:
         with self._lock:
@@ -105,9 +120,12 @@ class CpuAdapterCache:
         return weights
 
     def _evict_over_capacity(self, keep: AdapterRef) -> None:
-        """LRU eviction, never of a pinned ref or of the one just loaded (pins may overfill the cache)."""
-        for ref in list(self._ready):
-            if len(self._ready) <= self.capacity:
-                return
-            if ref not in self._pinned and ref != keep:
+        """LRU eviction, adapters that queued requests want last; never a pinned ref or the one just loaded
+        (pins may overfill the cache)."""
+        for spare_wanted in (True, False):
+            for ref in list(self._ready):
+                if len(self._ready) <= self.capacity:
+                    return
+                if ref in self._pinned or ref == keep or (spare_wanted and ref in self._wanted):
+                    continue
                 del self._ready[ref]

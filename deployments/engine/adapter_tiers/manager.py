@@ -2,6 +2,13 @@
 
 The scheduler asks `acquire(ref)` for each waiting request: it answers with a device slot, or None while
 the adapter is still loading or waiting for a slot (only that request waits; others keep running).
+
+Before each admission pass the scheduler tells the manager what the queue holds (`plan`): adapters of the
+next queued requests start loading into CPU memory ahead of need (overlapping the store read with steps)
+and are kept there; a slot to evict or drain is chosen by queued demand, so a popular adapter is not
+thrown out for a cold one while others would do. Several slots may drain at once when several cold
+adapters wait, but a slot whose adapter has requests queued drains only when no other slot is draining:
+that keeps the one-drain progress guarantee without thrashing hot adapters.
 """
 
 import logging
@@ -54,6 +61,10 @@ class AdapterManager:
         self.on_loaded: Callable[[], None] = lambda: None  # the engine loop's wake-up
         self.activation_seconds = 0.0  # time spent writing adapters into slots
         self.disk_loads: Counter[str] = Counter()  # ref -> store reads (a ref read twice was evicted between)
+        self._demand: Counter[AdapterRef] = Counter()  # queued (not running) requests per adapter
+        self._remaining: dict[int, int] = {}  # slot -> most tokens one of its users may still generate
+        self._cold: set[AdapterRef] = set()  # queued adapters with no slot yet
+        self._lookahead: frozenset[AdapterRef] | None = None  # what the CPU tier should hold next (plan)
 
     def check(self, ref: AdapterRef) -> AdapterSpec:
         """Raise a named error if `ref` cannot be served here (missing, rank too large, unsupported)."""
@@ -80,11 +91,18 @@ class AdapterManager:
             return None
         weights = self.cpu.get(ref)  # raises if the load failed
         if weights is None:
-            self._prefetch(ref)
+            if self._lookahead is None or ref in self._lookahead:
+                self._prefetch(ref)  # beyond the planned lookahead a load would only evict a nearer need
             return None
-        slot = self.slots.claim(ref)
+        slot = self.slots.claim(ref, score=lambda held: self._demand[held])
         if slot is None:
-            self.slots.drain_one()
+            self._cold.add(ref)
+            self._drain()
+            if self.slots.num_draining == 0 and (busy := self.slots.drainable()):
+                # Every busy slot has queued requests: drain the least wanted anyway, so nobody starves.
+                self.slots.start_draining(
+                    min(busy, key=lambda s: (self._demand_of(s), self._remaining.get(s, 0)))
+                )
             return None
         start = time.perf_counter()
         load_adapter_into_slot(self._modules, slot, weights)
@@ -94,6 +112,56 @@ class AdapterManager:
 
     def release(self, slot: int) -> None:
         self.slots.release(slot)
+
+    def plan(self, queued: list[AdapterRef], remaining: dict[int, int]) -> None:
+        """Before an admission pass: `queued` are the adapters of waiting requests in queue order (repeats
+        included), `remaining` the most tokens any running user of each slot may still generate."""
+        self._demand = Counter(queued)
+        self._remaining = remaining
+        lookahead: list[AdapterRef] = []  # distinct, in queue order, what the CPU tier should hold next
+        for ref in self._demand:  # a Counter keeps first-seen order
+            if len(lookahead) >= max(1, self.cpu.capacity // 2):
+                break
+            lookahead.append(ref)
+        self._lookahead = frozenset(lookahead)
+        self.cpu.want(self._lookahead)
+        for ref in lookahead:
+            if not self.slots.holds(ref) and self.cpu.needs_load(ref):
+                self._prefetch(ref)
+        # Start freeing slots for the queue's cold adapters now, not when they reach the batch: the users of
+        # a draining slot are still decoding, so the wait overlaps with work.
+        self._cold = {ref for ref in lookahead[: self.slots.num_slots] if not self.slots.holds(ref)}
+        self._drain()
+
+    def _drain(self) -> None:
+        """Mark slots draining for the cold adapters that want one beyond the free slots (at most half the
+        slots at once), only slots no queued request wants, the one whose users finish soonest first."""
+        wanted = min(len(self._cold) - self.slots.num_free, self.slots.num_slots // 2)
+        while self.slots.num_draining < wanted:
+            unwanted = [s for s in self.slots.drainable() if not self._demand_of(s)]
+            if not unwanted:
+                return
+            self.slots.start_draining(min(unwanted, key=lambda s: self._remaining.get(s, 0)))
+
+    def slot_to_free(self, ref: AdapterRef) -> int | None:
+        """For a request overdue for a slot: the busy slot its users should give up (the least wanted, then
+        the fewest remaining tokens), marked draining so it frees with its last user; None if `ref`'s
+        weights are not in CPU memory yet (preempting would not help) or no slot can be taken."""
+        if not self.cpu.is_ready(ref):
+            return None
+        candidates = self.slots.drainable() + self.slots.draining()
+        if not candidates:
+            return None
+        victim = min(
+            candidates, key=lambda s: (self._demand_of(s), self.slots.users(s), self._remaining.get(s, 0))
+        )
+        if victim in self.slots.drainable():
+            self.slots.start_draining(victim)
+        return victim
+
+    def _demand_of(self, slot: int) -> int:
+        ref = self.slots.ref_at(slot)
+        return 0 if ref is None else self._demand[ref]
 
     def prefetch(self, ref: AdapterRef) -> Future[AdapterWeights] | None:
         """Start loading `ref` into CPU memory; returns the pending load (None if already resident)."""

@@ -1,12 +1,15 @@
 """SlotTable: which adapter version sits in which device slot, who is using it, and what may be evicted.
 
-Slots in use by running sequences are never overwritten. When every slot is in use and another adapter is
-waiting, one slot is marked draining: it takes no new sequences, and once its last sequence finishes it
-goes to the waiter. That bounds a cold adapter's wait (no starvation when active adapters outnumber slots)
-without evicting anything mid-request. Pinned adapters are never evicted or drained.
+Slots in use by running sequences are never overwritten. When every slot is in use and other adapters are
+waiting, slots are marked draining: a draining slot takes no new sequences, and once its last sequence
+finishes it goes to a waiter. That bounds a cold adapter's wait (no starvation when active adapters
+outnumber slots) without evicting anything mid-request. Which slot to evict or drain is the caller's
+choice (`claim`'s and `drain`'s `score`: the adapter manager ranks by queued demand). Pinned adapters are
+never evicted or drained.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from adapters.ref import AdapterRef
 
@@ -47,16 +50,18 @@ class SlotTable:
             else:
                 self._idle[slot] = None
 
-    def claim(self, ref: AdapterRef) -> int | None:
-        """A slot to load `ref` into (free, or the LRU idle one evicted), or None if all are busy.
-        The caller writes the weights, then acquires."""
+    def claim(self, ref: AdapterRef, score: Callable[[AdapterRef], int] | None = None) -> int | None:
+        """A slot to load `ref` into (free, or an idle one evicted), or None if all are busy. The idle victim
+        has the lowest `score` of its adapter (least recently used among equals). The caller writes the
+        weights, then acquires."""
         assert ref not in self._slot_of, f"{ref} is already resident"
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((s for s in self._idle if self._ref[s] not in self.pinned), None)
-            if victim is None:
+            idle = [s for s in self._idle if self._ref[s] not in self.pinned]  # least recently used first
+            if not idle:
                 return None
+            victim = idle[0] if score is None else min(idle, key=lambda s: score(self._ref_at(s)))
             self._evict(victim)
             slot = self._free.pop()
         self._ref[slot] = ref
@@ -65,19 +70,45 @@ class SlotTable:
         self.loads += 1
         return slot
 
+    def drainable(self) -> list[int]:
+        """Busy, unpinned slots not draining yet."""
+        return [
+            s
+            for s in range(self.num_slots)
+            if self._users[s] > 0
+            and self._ref[s] is not None
+            and self._ref[s] not in self.pinned
+            and s not in self._draining
+        ]
+
+    def draining(self) -> list[int]:
+        return sorted(self._draining)
+
+    def start_draining(self, slot: int) -> None:
+        assert slot in self.drainable(), f"slot {slot} cannot drain"
+        self._draining.add(slot)
+
     def drain_one(self) -> bool:
         """Mark the busy, unpinned slot with the fewest users as draining (unless one already drains)."""
         if self._draining:
             return True
-        candidates = [
-            s
-            for s in range(self.num_slots)
-            if self._users[s] > 0 and self._ref[s] is not None and self._ref[s] not in self.pinned
-        ]
+        candidates = self.drainable()
         if not candidates:
             return False
         self._draining.add(min(candidates, key=lambda s: self._users[s]))
         return True
+
+    @property
+    def num_draining(self) -> int:
+        return len(self._draining)
+
+    def ref_at(self, slot: int) -> AdapterRef | None:
+        return self._ref[slot]
+
+    def _ref_at(self, slot: int) -> AdapterRef:
+        ref = self._ref[slot]
+        assert ref is not None
+        return ref
 
     def remove(self, adapter_id: str) -> list[AdapterRef]:
         """Forget every version of an adapter: idle slots free now, busy ones when their sequences end."""

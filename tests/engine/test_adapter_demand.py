@@ -1,0 +1,112 @@
+"""The adapter tiers follow the queue: queued adapters load ahead of admission, slots that queued requests
+want are neither evicted nor drained while another would do, and a cold adapter's wait stays bounded."""
+
+import time
+
+from deployments.engine.interface import EngineRequest, FinishReason
+from deployments.engine.sampling_params import SamplingParams
+from tests.engine.helpers import drain, make_engine, preload
+from tests.model_fixtures import TinySetup
+
+WAIT = 10.0  # seconds; reached only if a load hangs
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def test_adapters_of_queued_requests_load_into_cpu_memory_before_their_turn(llama: TinySetup) -> None:
+    engine = make_engine(llama, max_num_seqs=1)
+    names = ["demo-chef", "demo-sql", "demo-poet"]
+    engine.add_request(EngineRequest("long", [1, 2, 3], greedy(200)))  # holds the only seat
+    engine.step()
+    for i, name in enumerate(names):
+        engine.add_request(EngineRequest(f"q{i}", [4, 5, 6], greedy(2), llama.refs[name]))
+    deadline = time.monotonic() + WAIT
+    while set(engine.adapters.cpu.resident()) < {llama.refs[n] for n in names}:
+        assert time.monotonic() < deadline, (
+            f"queued adapters not prefetched: {engine.adapters.cpu.resident()}"
+        )
+        engine.step()
+        time.sleep(0.01)
+    assert [s.request_id for s in engine.scheduler.running] == ["long"]  # nobody was admitted meanwhile
+    assert engine.adapters.cpu.loads == 3
+    engine.close()
+
+
+def test_the_slot_no_queued_request_wants_drains_for_a_cold_adapter(llama: TinySetup) -> None:
+    engine = make_engine(llama, max_loras=2, max_num_seqs=3)
+    preload(engine, llama)
+    hot, other, cold = (llama.refs[n] for n in ("demo-chef", "demo-sql", "demo-poet"))
+    engine.add_request(EngineRequest("hot-0", [1, 2], greedy(40), hot))  # one user of the hot slot
+    engine.add_request(EngineRequest("other-0", [1, 2], greedy(40), other))  # two users of the other
+    engine.add_request(EngineRequest("other-1", [3, 4], greedy(40), other))
+    engine.step()
+    engine.add_request(EngineRequest("hot-1", [5, 6], greedy(4), hot))  # queued: the batch is full
+    engine.add_request(EngineRequest("cold-0", [7, 8], greedy(4), cold))
+    engine.step()
+    slots = engine.adapters.slots
+    # The fewest users would pick the hot slot; queued demand says the other one.
+    assert slots.lookup(hot) is not None and slots.holds(other) and slots.lookup(other) is None
+    outputs = drain(engine)
+    assert all(outs[-1].finish_reason is FinishReason.LENGTH for outs in outputs.values())
+    assert slots.holds(hot) and slots.holds(cold)
+    engine.close()
+
+
+def test_a_cold_adapter_waits_a_bounded_time_under_a_flood_of_hot_requests(llama: TinySetup) -> None:
+    engine = make_engine(llama, max_loras=2, max_num_seqs=4)
+    preload(engine, llama)
+    hot = [llama.refs["demo-chef"], llama.refs["demo-sql"]]
+    cold = llama.refs["demo-poet"]
+    for i in range(4):
+        engine.add_request(EngineRequest(f"hot-{i}", [1, 2], greedy(6), hot[i % 2]))
+    engine.step()
+    engine.add_request(EngineRequest("cold", [3, 4], greedy(4), cold))
+    done_at = None
+    for step in range(300):  # both hot adapters always have requests queued
+        for k in range(2):
+            engine.add_request(EngineRequest(f"hot-{step}-{k}", [1, 2], greedy(6), hot[k]))
+        if any(o.request_id == "cold" and o.finished for o in engine.step()):
+            done_at = step
+            break
+    # A drain lasts at most one hot request (6 tokens); the cold request then decodes 4.
+    assert done_at is not None and done_at < 20, done_at
+    engine.close()
+
+
+def test_an_overdue_adapter_takes_a_busy_slot_and_the_preempted_request_resumes_unchanged(
+    llama: TinySetup,
+) -> None:
+    hot, cold = llama.refs["demo-chef"], llama.refs["demo-poet"]
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    solo = make_engine(llama, max_loras=1, adapter_wait_bound_s=0)
+    preload(solo, llama)
+    solo.add_request(EngineRequest("long", prompt, greedy(120), hot))
+    expected = [t for o in drain(solo)["long"] for t in o.token_ids]
+    solo.close()
+
+    engine = make_engine(llama, max_loras=1, adapter_wait_bound_s=0.2)
+    preload(engine, llama)
+    engine.add_request(EngineRequest("long", prompt, greedy(120), hot))
+    outputs: dict[str, list[int]] = {"long": [], "cold": []}
+    for _ in range(3):
+        outputs["long"] += [t for out in engine.step() for t in out.token_ids]
+    engine.add_request(EngineRequest("cold", [7, 8], greedy(2), cold))
+    started = time.monotonic()
+    cold_done = long_done = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] += out.token_ids
+            if out.finished:
+                assert out.finish_reason is FinishReason.LENGTH, out
+                if out.request_id == "cold":
+                    cold_done = time.monotonic() - started
+                else:
+                    long_done = time.monotonic() - started
+        time.sleep(0.005)  # ~25 steps per 0.2 s: the long request would hold the slot for 120
+    assert cold_done is not None and long_done is not None
+    assert cold_done < long_done  # it did not wait for the slot to drain
+    assert engine.scheduler.slot_preemptions == 1
+    assert outputs["long"] == expected  # preempted and resumed from the prefix cache: same tokens
+    engine.close()
