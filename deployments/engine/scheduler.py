@@ -186,7 +186,7 @@ class Scheduler:
         """Free the least wanted busy slot for an overdue request by preempting its running users (they
         requeue at the front and resume from the prefix cache), then give it the slot."""
         assert seq.adapter is not None
-        victim = self.adapters.slot_to_free(seq.adapter)
+        victim = self.adapters.slot_to_free(seq.adapter, min_age_s=self.adapter_wait_bound_s)
         if victim is None:
             return None
         for user in [s for s in self.running if s.slot == victim]:

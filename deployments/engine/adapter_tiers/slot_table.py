@@ -8,6 +8,7 @@ choice (`claim`'s and `drain`'s `score`: the adapter manager ranks by queued dem
 never evicted or drained.
 """
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ class SlotTable:
         self.num_slots = num_slots
         self._ref: list[AdapterRef | None] = [None] * num_slots
         self._users = [0] * num_slots
+        self.claimed_at = [0.0] * num_slots  # time.monotonic() of each slot's latest load
         self._slot_of: dict[AdapterRef, int] = {}
         self._idle: OrderedDict[int, None] = (
             OrderedDict()
@@ -67,6 +69,7 @@ class SlotTable:
         self._ref[slot] = ref
         self._slot_of[ref] = slot
         self._idle[slot] = None
+        self.claimed_at[slot] = time.monotonic()
         self.loads += 1
         return slot
 
