@@ -8,6 +8,8 @@ Timed per version (median over --repeats versions, each of one adapter_model.saf
 - hit: `path(ref)` again in the same process (verified files unchanged since: no hashing).
 - local: `path(ref)` of a file:// store (no copy, no hash).
 moto is in-process and local, so `cold` is a floor; a real S3 adds its network round trips and bandwidth.
+Each version is one round of all five, back to back (the order is fixed: a hit needs the cold read first);
+the ratio cold/hit_fresh is taken per round and reported as its median and spread.
 
 Run:  python -m bench.adapter_store [--tiny] [--mb 64] [--repeats 5]
 The last line is one JSON object.
@@ -31,6 +33,7 @@ from adapters.node_cache import NodeCache
 from adapters.ref import AdapterRef
 from adapters.spec import CONFIG_FILE, WEIGHTS_FILE
 from adapters.store import AdapterStore
+from bench.measure import machine, spread
 
 
 def timed(times: list[float], action: Callable[[], Any]) -> Any:
@@ -83,13 +86,15 @@ def run(scratch: Path, mb: float, repeats: int) -> dict[str, Any]:
         timed(times["hit"], partial(store.path, ref))
         timed(times["local"], partial(local.path, local_ref))
     medians = {f"{k}_ms": round(statistics.median(v), 3) for k, v in times.items()}
-    cold = medians["cold_ms"]
+    ratio = spread([c / max(h, 1e-3) for c, h in zip(times["cold"], times["hit_fresh"], strict=True)])
     return {
         "mb": mb,
         "repeats": repeats,
         **medians,
-        "cold_mb_s": round(mb / (cold / 1000), 1),
-        "ratio_cold_vs_hit_fresh": round(cold / max(medians["hit_fresh_ms"], 1e-3), 1),
+        "cold_mb_s": round(mb / (medians["cold_ms"] / 1000), 1),
+        "ratio_cold_vs_hit_fresh": round(ratio["median"], 1),
+        "ratio_cold_vs_hit_fresh_spread": ratio,
+        "machine": machine(),
     }
 
 

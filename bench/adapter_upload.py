@@ -3,7 +3,10 @@ it succeeds, on a running platform; against the peer a platform without hot-swap
 with the adapter on disk, then serve the first request). Also adapter activation times on the engine.
 
 The whole HTTP app runs in-process (uvicorn on loopback) over a real engine and SQLite, with the registry
-watcher a replica runs; the model is the ~150M bench model with rank-16 all-linear adapters.
+watcher a replica runs; the model is the ~150M bench model with rank-16 all-linear adapters. The two peers
+run in turns (upload, restart, restart, upload, ...), one round per upload: the restart serves the adapter
+uploaded last, on a fresh engine beside the idle running one. Their ratio is taken per round (median and
+spread).
 Run: python -m bench.adapter_upload [--uploads 8] [--dtype bfloat16]; the last line is one JSON object.
 """
 
@@ -13,6 +16,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -23,6 +27,7 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.settings import Settings
 from bench.assets import ensure_bench_assets
+from bench.measure import Interleaved, machine
 from billing import repository
 from billing.db import session_scope
 from billing.migrate import upgrade
@@ -79,12 +84,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--uploads", type=int, default=8)
+    parser.add_argument("--uploads", type=int, default=8, help="rounds: one upload and one restart each")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--tiny", action="store_true", help="one upload on the tiny model: checks it runs")
+    parser.add_argument("--tiny", action="store_true", help="two uploads on the tiny model: checks it runs")
     args = parser.parse_args()
     if args.tiny:
-        args.uploads = 1
+        args.uploads = 2
         model_dir, _, adapter_dirs = ensure_bench_assets(preset="tiny", num_adapters=1, rank=4)
     else:
         model_dir, _, adapter_dirs = ensure_bench_assets()
@@ -111,37 +116,49 @@ def main() -> None:
         repository.create_api_key(session, tenant_id=tenant.id, prefix=key.prefix, key_hash=key.hash)
         tenant_id = tenant.id
     sources = list(adapter_dirs.values())
-    to_servable, upload_only = [], []
+    upload_only: list[float] = []
+    uploaded: list[str] = []  # adapter ids, for the restart peer to serve
+
+    def hot(url: str) -> float:
+        """Upload a new adapter version and wait for its first success on the running platform."""
+        i = len(uploaded)
+        name = f"a{i}-{uuid.uuid4().hex[:6]}"
+        start = time.perf_counter()
+        response = upload(url, admin_key, name, tenant_id, sources[i % len(sources)])
+        assert response.status_code == 201, response.text
+        upload_only.append(time.perf_counter() - start)
+        first_success(url, key.plaintext, name)
+        uploaded.append(response.json()["id"])
+        return time.perf_counter() - start
+
     with LiveServer(create_app(services)) as server:
         first_success(server.url, key.plaintext, MODEL)  # warm
-        for i in range(args.uploads):
-            name = f"a{i}-{uuid.uuid4().hex[:6]}"
-            start = time.perf_counter()
-            response = upload(server.url, admin_key, name, tenant_id, sources[i % len(sources)])
-            assert response.status_code == 201, response.text
-            upload_only.append(time.perf_counter() - start)
-            first_success(server.url, key.plaintext, name)
-            to_servable.append(time.perf_counter() - start)
-        last_adapter_id = response.json()["id"]
+        # Rotation puts the upload first in round 0, so the restart always has an uploaded adapter.
+        runs = Interleaved(
+            {"hot": partial(hot, server.url), "restart": lambda: restart_to_serve(config, uploaded[-1])},
+            repeats=args.uploads,
+        ).run()
     manager = engine.engine.adapters
     disk_to_cpu_ms = manager.cpu.load_seconds / max(1, manager.cpu.loads) * 1e3
     cpu_to_slot_ms = manager.activation_seconds / max(1, manager.slots.loads) * 1e3
     watcher.stop()
     engine.shutdown()
-    restart = statistics.median(restart_to_serve(config, last_adapter_id) for _ in range(2))
-    servable = statistics.median(to_servable)
+    to_servable, ratio = runs.samples["hot"], runs.ratio("restart", "hot")
     size_mb = sum(f.stat().st_size for f in sources[0].iterdir()) / 2**20
+    print(f"restart / hot: x{ratio['median']} ({ratio['min']}..{ratio['max']}) over {args.uploads} rounds")
     print(json.dumps({
         "uploads": args.uploads,
         "adapter_mb": round(size_mb, 1),
         "upload_p50_ms": round(statistics.median(upload_only) * 1e3, 1),
-        "upload_to_servable_p50_ms": round(servable * 1e3, 1),
+        "upload_to_servable_p50_ms": round(statistics.median(to_servable) * 1e3, 1),
         "upload_to_servable_max_ms": round(max(to_servable) * 1e3, 1),
-        "restart_to_servable_ms": round(restart * 1e3, 1),
-        "ratio_restart_vs_hot": round(restart / servable, 2),
+        "restart_to_servable_ms": round(runs.median("restart") * 1e3, 1),
+        "ratio_restart_vs_hot": round(ratio["median"], 2),
+        "ratio_restart_vs_hot_spread": ratio,
         "activation_disk_to_cpu_ms": round(disk_to_cpu_ms, 2),
         "activation_cpu_to_slot_ms": round(cpu_to_slot_ms, 2),
         "dtype": args.dtype,
+        "machine": machine(args.dtype),
     }))  # fmt: skip
 
 

@@ -3,8 +3,11 @@ response shaping) over calling the engine deployment's handle directly, on the s
 same run, with an engine that answers at once.
 
 Both paths run in this process against the same Ray Serve handle, so the difference is what the ingress
-adds; the Serve HTTP proxy hop (present in any Serve app) is not counted.
-Run: python -m bench.gateway [--requests 300]; the last line is one JSON object.
+adds; the Serve HTTP proxy hop (present in any Serve app) is not counted. The headline overhead is the
+same pair over an in-process engine stub (no Ray round trip to drown it). The four run in turns, request
+by request (in a rotated order, so none is always first); the headline overhead is also taken per
+block of consecutive requests (--blocks) and reported with its spread over the blocks.
+Run: python -m bench.gateway [--requests 300] [--blocks 5]; the last line is one JSON object.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import tempfile
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import ray
@@ -27,6 +31,7 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.modelprep.demo_model import ensure_model
 from app.settings import Settings
+from bench.measure import machine, spread
 from billing import repository
 from billing.db import make_engine, make_session_factory, session_scope
 from billing.migrate import upgrade
@@ -71,7 +76,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
 
-async def measure(requests: int) -> dict[str, float]:
+async def measure(requests: int, blocks: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     model_dir = ensure_model(Path("var/bench/tiny-llama"), arch="llama", preset="tiny")
     url = f"sqlite:///{work / 'db.sqlite'}"
@@ -122,19 +127,30 @@ async def measure(requests: int) -> dict[str, float]:
             pass
         return (time.perf_counter() - start) * 1e3
 
+    paths = {
+        "ingress": via_ingress,
+        "direct": direct,
+        "local": via_local_ingress,
+        "local_direct": local_direct,
+    }
     for _ in range(20):  # warm: connections, caches, first-call paths
-        await via_ingress()
-        await direct()
-        await via_local_ingress()
-    ingress_ms, direct_ms, local_ms, local_direct_ms = [], [], [], []
-    for _ in range(requests):  # interleaved, so drift affects all alike
-        ingress_ms.append(await via_ingress())
-        direct_ms.append(await direct())
-        local_ms.append(await via_local_ingress())
-        local_direct_ms.append(await local_direct())
+        for path in paths.values():
+            await path()
+    ms: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    for i in range(requests):  # interleaved, so drift affects all alike
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            ms[name].append(await paths[name]())
     await http.aclose()
     await local_http.aclose()
-    result = {
+    ingress_ms, direct_ms, local_ms, local_direct_ms = (
+        ms["ingress"],
+        ms["direct"],
+        ms["local"],
+        ms["local_direct"],
+    )
+    result: dict[str, Any] = {
         "requests": requests,
         "ingress_p50_ms": round(statistics.median(ingress_ms), 3),
         "ingress_p95_ms": round(percentile(ingress_ms, 95), 3),
@@ -147,6 +163,13 @@ async def measure(requests: int) -> dict[str, float]:
     # The headline: the ingress's own work per request, measured without the Ray hop.
     result["overhead_p50_ms"] = round(statistics.median(local_ms) - statistics.median(local_direct_ms), 3)
     result["overhead_p95_ms"] = round(percentile(local_ms, 95) - percentile(local_direct_ms, 95), 3)
+    size = max(1, requests // blocks)
+    per_block = [
+        statistics.median(local_ms[b : b + size]) - statistics.median(local_direct_ms[b : b + size])
+        for b in range(0, size * blocks, size)
+        if local_ms[b : b + size]
+    ]
+    result["overhead_p50_ms_spread"] = spread(per_block)  # over blocks of consecutive requests
     return result
 
 
@@ -155,17 +178,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--blocks", type=int, default=5, help="blocks of requests for the overhead's spread")
     parser.add_argument("--tiny", action="store_true", help="20 requests: checks the bench runs")
     args = parser.parse_args()
     if args.tiny:
-        args.requests = 20
+        args.requests, args.blocks = 20, 2
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
-        result = asyncio.run(measure(args.requests))
+        result = asyncio.run(measure(args.requests, args.blocks))
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]  # unannotated in Ray
         ray.shutdown()
+    result["machine"] = machine()
     print(json.dumps(result))
 
 

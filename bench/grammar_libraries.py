@@ -6,11 +6,15 @@ which is all the work it does up front), the per-token cost of a mask (bitmask f
 whether the library rejects the schema, compiles it and enforces it (every output validates), or compiles
 it and ignores it (some output breaks the schema). Outputs are also checked to be compact JSON (no
 whitespace between JSON tokens), which the engine asks for. Each library's compilation runs on one thread.
+The timings run in rounds, the libraries in turns (A B, B A, ...), each round every schema compiled cold
+and decoded; per library the percentiles pool every round, and the xgrammar/llguidance ratios of the
+compile and fill p50s are taken per round (median and spread).
 
-Run: python -m bench.grammar_libraries [--tiny] [--model-vocab N] [--samples 3]
+Run: python -m bench.grammar_libraries [--tiny] [--model-vocab N] [--samples 3] [--repeats 3]
 xgrammar is not a project dependency (the engine uses llguidance): `pip install xgrammar==0.2.8` to compare;
 without it its entry says "skipped".
-The last line is one JSON object: per library its numbers, the CPU, the vocabulary and the choice.
+The last line is one JSON object: per library its numbers, their ratios, the machine, the vocabulary and
+the choice.
 """
 
 import argparse
@@ -20,7 +24,8 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from app.modelprep.demo_model import build_tokenizer
-from bench.limiter_flood import cpu
+from bench.measure import Interleaved, machine, spread
 from deployments.engine.grammar import LIBRARY, apply_bitmask, new_bitmask
 
 S = {"type": "string", "maxLength": 12}
@@ -343,17 +348,28 @@ def llguidance_library(tokenizer: PreTrainedTokenizerBase, vocab: int, eos: int)
     )  # fmt: skip
 
 
-def decode(
-    lib: Library, compiled: Any, tokenizer: PreTrainedTokenizerBase, vocab: int, seed: int, budget: int
-) -> tuple[str | None, list[float], list[float]]:
-    """A random model decodes under the mask (argmax); after budget/2 tokens, tokens that close strings,
-    arrays and objects (and EOS) are favoured so that most runs finish. (text or None, fill us, apply us)."""
-    generator = torch.Generator().manual_seed(seed)
+def closing_tokens(tokenizer: PreTrainedTokenizerBase, vocab: int) -> torch.Tensor:
+    """[vocab] bool: the tokens that close strings, arrays and objects, and EOS."""
     closers = torch.tensor(
         [any(c in tokenizer.decode([t]) for c in '"]}') for t in range(len(tokenizer))]
         + [False] * (vocab - len(tokenizer))
     )
     closers[tokenizer.eos_token_id] = True
+    return closers
+
+
+def decode(
+    lib: Library,
+    compiled: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    closers: torch.Tensor,
+    seed: int,
+    budget: int,
+) -> tuple[str | None, list[float], list[float]]:
+    """A random model decodes under the mask (argmax); after budget/2 tokens, `closers` are favoured so that
+    most runs finish. (text or None, fill us, apply us)."""
+    vocab = len(closers)
+    generator = torch.Generator().manual_seed(seed)
     matcher, bitmask, tokens = lib.matcher(compiled), new_bitmask(1, vocab), list[int]()
     fills: list[float] = []
     applies: list[float] = []
@@ -402,43 +418,75 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(
-    lib: Library, tokenizer: PreTrainedTokenizerBase, vocab: int, args: argparse.Namespace
-) -> dict[str, Any]:
+@dataclass
+class Tally:
+    """One library's samples over every round. Decoding is deterministic (seeded, argmax), so the outputs
+    are checked in the first round only."""
+
+    compile_ms: list[float] = field(default_factory=list)
+    fills: list[float] = field(default_factory=list)
+    applies: list[float] = field(default_factory=list)
+    round_fill_p50: list[float] = field(default_factory=list)
+    rounds: int = 0
+    invalid: int = 0
+    loose: int = 0
+    unfinished: int = 0
+    rejected: list[str] = field(default_factory=list)
+
+
+def timing_round(
+    lib: Library,
+    tokenizer: PreTrainedTokenizerBase,
+    closers: torch.Tensor,
+    args: argparse.Namespace,
+    tally: Tally,
+) -> float:
+    """Every schema compiled cold and decoded; the round's compile p50 (ms)."""
     schemas = [SCHEMAS[i] for i in TINY_SCHEMAS] if args.tiny else SCHEMAS
-    probes = {k: PROBES[k] for k in TINY_PROBES} if args.tiny else PROBES
-    compile_ms: list[float] = []
-    fills: list[float] = []
-    applies: list[float] = []
-    invalid, loose, unfinished, rejected = 0, 0, 0, []
+    first, compile_ms, fills = tally.rounds == 0, list[float](), list[float]()
     for index, schema in enumerate(schemas):
         text = json.dumps(schema)
         start = time.perf_counter()
         try:
             compiled = lib.compile(text)
         except Exception as error:
-            rejected.append(f"schema {index}: {str(error)[:120]}")
+            if first:
+                tally.rejected.append(f"schema {index}: {str(error)[:120]}")
             continue
         compile_ms.append((time.perf_counter() - start) * 1e3)
         for seed in range(args.samples):
-            output, f, a = decode(lib, compiled, tokenizer, vocab, seed, args.budget)
+            output, f, a = decode(lib, compiled, tokenizer, closers, seed, args.budget)
             fills += f
-            applies += a
+            tally.applies += a
+            if not first:
+                continue
             if output is None:
-                unfinished += 1
+                tally.unfinished += 1
                 continue
             try:
                 jsonschema.validate(json.loads(output), schema)
             except (ValueError, jsonschema.ValidationError):
-                invalid += 1
+                tally.invalid += 1
             else:
-                loose += not is_compact(output)
-    coverage: dict[str, str] = {}
+                tally.loose += not is_compact(output)
+    tally.rounds += 1
+    tally.compile_ms += compile_ms
+    tally.fills += fills
+    tally.round_fill_p50.append(statistics.median(fills) if fills else float("nan"))
+    return statistics.median(compile_ms) if compile_ms else float("nan")
+
+
+def coverage(
+    lib: Library, tokenizer: PreTrainedTokenizerBase, closers: torch.Tensor, args: argparse.Namespace
+) -> dict[str, str]:
+    """Per keyword probe: rejected, enforced, ignored or not compact."""
+    probes = {k: PROBES[k] for k in TINY_PROBES} if args.tiny else PROBES
+    verdicts: dict[str, str] = {}
     for keyword, schema in probes.items():
         try:
             compiled = lib.compile(json.dumps(schema))
         except Exception as error:
-            coverage[keyword] = "rejected: " + " ".join(str(error).split())[:100]
+            verdicts[keyword] = "rejected: " + " ".join(str(error).split())[:100]
             continue
         verdict = "enforced"
         if keyword == "compact untyped values":
@@ -446,7 +494,7 @@ def measure(
             if not good or spaced:
                 verdict = f"not compact: accepts {COMPACT[0]!r}: {good}, {COMPACT[1]!r}: {spaced}"
         for seed in range(max(4, args.samples)) if verdict == "enforced" else ():
-            output, _, _ = decode(lib, compiled, tokenizer, vocab, seed, args.budget)
+            output, _, _ = decode(lib, compiled, tokenizer, closers, seed, args.budget)
             if output is None:
                 continue
             try:
@@ -457,22 +505,29 @@ def measure(
             if not is_compact(output):
                 verdict = f"not compact (e.g. {output[:40]})"
                 break
-        coverage[keyword] = verdict
+        verdicts[keyword] = verdict
+    return verdicts
+
+
+def summary(tally: Tally, round_compile_p50: list[float]) -> dict[str, Any]:
+    compile_ms, fills = tally.compile_ms, tally.fills
     return {
         "compile_p50_ms": round(statistics.median(compile_ms), 2) if compile_ms else None,
         "compile_p99_ms": round(percentile(compile_ms, 0.99), 2) if compile_ms else None,
         "compile_max_ms": round(max(compile_ms), 2) if compile_ms else None,
-        "compiled": len(compile_ms),
-        "rejected": rejected,
+        "compile_p50_ms_rounds": spread(round_compile_p50) if compile_ms else None,
+        "compiled": len(compile_ms) // tally.rounds,
+        "rejected": tally.rejected,
         "fill_p50_us": round(statistics.median(fills), 1),
         "fill_p99_us": round(percentile(fills, 0.99), 1),
         "fill_mean_us": round(statistics.fmean(fills), 1),
-        "apply_p50_us": round(statistics.median(applies), 1),
-        "tokens": len(fills),
-        "outputs_invalid": invalid,
-        "outputs_not_compact": loose,
-        "outputs_unfinished": unfinished,
-        "coverage": coverage,
+        "fill_p50_us_rounds": spread(tally.round_fill_p50),
+        "apply_p50_us": round(statistics.median(tally.applies), 1),
+        "tokens": len(fills) // tally.rounds,
+        "rounds": tally.rounds,
+        "outputs_invalid": tally.invalid,
+        "outputs_not_compact": tally.loose,
+        "outputs_unfinished": tally.unfinished,
     }
 
 
@@ -486,29 +541,51 @@ def main() -> None:
     parser.add_argument("--model-vocab", type=int, default=0, help="logits width (default: the tokenizer's)")
     parser.add_argument("--samples", type=int, default=3, help="decodes per schema")
     parser.add_argument("--budget", type=int, default=160, help="tokens per decode at most")
+    parser.add_argument("--repeats", type=int, default=3, help="timing rounds of every library")
     args = parser.parse_args()
     if args.tiny:
-        args.samples, args.budget = 1, 96
+        args.samples, args.budget, args.repeats = 1, 96, 2
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         build_tokenizer(Path(tmp))
         tokenizer = AutoTokenizer.from_pretrained(tmp)
     vocab = max(args.model_vocab, len(tokenizer))
-    machine = cpu()
-    print(f"cpu: {machine['cpu']} ({machine['cores']} cores), isa: {', '.join(machine['isa']) or 'baseline'}")  # type: ignore[arg-type]
+    host = machine()
+    print(f"cpu: {host['cpu']} ({host['cores']} cores), isa: {', '.join(host['isa']) or 'baseline'}")
     print(f"tokenizer: demo byte-level BPE, {len(tokenizer)} tokens; logits width {vocab}")
-    result: dict[str, Any] = {"cpu": machine, "tokenizer_vocab": len(tokenizer), "logits_width": vocab}
-    eos = tokenizer.eos_token_id
+    result: dict[str, Any] = {"tokenizer_vocab": len(tokenizer), "logits_width": vocab}
+    eos, closers = tokenizer.eos_token_id, closing_tokens(tokenizer, vocab)
+    libs: dict[str, Library] = {}
     for make in (xgrammar_library, llguidance_library):
         try:
             lib = make(tokenizer, vocab, eos)
         except ImportError as error:
             result[make.__name__.removesuffix("_library")] = {"skipped": str(error)}
             continue
-        result[lib.name] = measure(lib, tokenizer, vocab, args)
-        result[lib.name]["version"] = importlib.metadata.version(lib.name)
-        print(lib.name, json.dumps(result[lib.name], indent=1))
+        libs[lib.name] = lib
+    tallies = {name: Tally() for name in libs}
+    runs = Interleaved(
+        {
+            name: partial(timing_round, lib, tokenizer, closers, args, tallies[name])
+            for name, lib in libs.items()
+        },
+        repeats=args.repeats,
+    ).run()
+    for name, lib in libs.items():
+        result[name] = {
+            **summary(tallies[name], runs.samples[name]),
+            "coverage": coverage(lib, tokenizer, closers, args),
+            "version": importlib.metadata.version(name),
+        }
+        print(name, json.dumps(result[name], indent=1))
+    if len(libs) == 2:  # per round: how many times llguidance's time xgrammar's is
+        fill = zip(tallies["xgrammar"].round_fill_p50, tallies["llguidance"].round_fill_p50, strict=True)
+        result["xgrammar_vs_llguidance"] = {
+            "compile_p50": runs.ratio("xgrammar", "llguidance"),
+            "fill_p50": spread([x / g for x, g in fill]),
+        }
     result["chosen"] = LIBRARY  # what deployments/engine/grammar.py uses; see docs/decisions.md
+    result["machine"] = host
     print(json.dumps(result))
 
 

@@ -18,7 +18,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.modelprep.demo_model import ensure_model
 from app.settings import Settings
+from bench.measure import machine
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
@@ -147,16 +147,6 @@ def read_samples(out: Path) -> tuple[Scores, float]:
     return scores, sum(correct) / len(correct)
 
 
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        for line in info.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    return platform.processor() or platform.machine()
-
-
 def run_both(args: argparse.Namespace, work: Path) -> tuple[Scores, Scores, dict[str, float]]:
     """lm-eval through the platform and lm-eval's hf+PEFT reference, at the same time; (ours, reference,
     {"acc_ours", "acc_hf", "local_completions_s", "hf_s"})."""
@@ -236,7 +226,7 @@ def main() -> None:
         "seconds": {"local_completions": round(run["local_completions_s"], 1), "hf": round(run["hf_s"], 1)},
         "lm_eval": version("lm_eval"),
         "torch": version("torch"),
-        "cpu": cpu_name(),
+        "machine": machine("float32"),
     }))  # fmt: skip
     if not ok:
         sys.exit(1)

@@ -53,6 +53,7 @@ from bench.load_faults import (
     stop_tree,
     wait_for_port,
 )
+from bench.measure import machine
 
 if TYPE_CHECKING:
     from bench.locustfile import Result
@@ -942,7 +943,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    output: dict[str, Any] = {"bench": "load_test", "duration_s": options.duration, "workdir": str(workdir)}
+    output: dict[str, Any] = {
+        "bench": "load_test", "duration_s": options.duration, "workdir": str(workdir), "machine": machine(),
+    }  # fmt: skip
     invariants: dict[str, bool] = {}
     injector = FaultInjector(platform, options.faults, options.duration, options.outage_s)
     try:

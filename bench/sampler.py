@@ -1,16 +1,19 @@
 """Times Sampler.sample for one engine step: N=64 rows, V=32000, a third each greedy, seeded top-p, penalised.
 
-Run: python -m bench.sampler
+Two kinds of logits (LM-like peaked, and flat) are timed call by call in turns (peaked flat, flat peaked,
+...), so a neighbour's burst on a shared VM hits both; per kind the median and spread over the calls.
+Run: python -m bench.sampler [--calls 20]; the last line is one JSON object.
 """
 
 import argparse
 import json
 import random
-import statistics
 import time
+from functools import partial
 
 import torch
 
+from bench.measure import Interleaved, machine
 from deployments.engine.sampler import Sampler, SamplingRow
 from deployments.engine.sampling_params import SamplingParams
 
@@ -48,26 +51,34 @@ def logits(kind: str) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--calls", type=int, default=CALLS, help="timed calls per kind")
     parser.add_argument("--tiny", action="store_true", help="a few calls: checks the bench runs")
     args = parser.parse_args()
-    warmup, calls = (1, 3) if args.tiny else (WARMUP, CALLS)
+    warmup, calls = (1, 3) if args.tiny else (WARMUP, args.calls)
     sampler = Sampler(V, torch.device("cpu"), seed=0)
     batch = rows()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, N={N} V={V}")
-    result: dict[str, object] = {"rows": N, "vocab": V, "calls": calls}
-    for kind in ("peaked", "flat"):
-        x = logits(kind)
+    inputs = {kind: logits(kind) for kind in ("peaked", "flat")}
+    for x in inputs.values():
         for _ in range(warmup):
             sampler.sample(x, batch)
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            sampler.sample(x, batch)
-            times.append((time.perf_counter() - start) * 1e6)
-        # Median and best: on a shared machine the best is the cleaner measure of the code.
-        print(f"{kind:>6} logits: median {statistics.median(times):8.0f} us/call, best {min(times):8.0f}")
-        result[f"{kind}_median_us"] = round(statistics.median(times))
+
+    def timed(x: torch.Tensor) -> float:
+        start = time.perf_counter()
+        sampler.sample(x, batch)
+        return (time.perf_counter() - start) * 1e6
+
+    runs = Interleaved({kind: partial(timed, x) for kind, x in inputs.items()}, repeats=calls).run()
+    result: dict[str, object] = {"rows": N, "vocab": V, "calls": calls}
+    for kind, us in runs.summary().items():
+        print(f"{kind:>6} logits: median {us['median']:8.0f} us/call, {us['min']:.0f}..{us['max']:.0f}")
+        result[f"{kind}_median_us"] = round(us["median"])
+        result[f"{kind}_us"] = us
+    result["flat_vs_peaked"] = runs.ratio("flat", "peaked")  # per call pair: what a flat distribution costs
+    result["machine"] = machine()
     print(json.dumps(result))
 
 
