@@ -13,85 +13,20 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import secrets
-import shutil
-import socket
 import statistics
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-import ray
-from ray import serve
 
 from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
 from app.modelprep.demo_model import ensure_model
-from billing.migrate import upgrade
-from deployments.builder import build_app
+from bench.measure import machine
+from bench.serve_platform import Platform, Snapshot, local_platform
 
-APP, MODEL = "loraplex", "tiny-llama"
-Snapshot = dict[str, dict[str, Any]]  # replica name -> its row of GET /admin/routing
-
-
-class Platform:
-    def __init__(self, url: str, admin_key: str, model_dir: Path) -> None:
-        self.url, self.admin_key, self.model_dir = url, admin_key, model_dir
-        self.seen: set[str] = set()  # replicas of earlier deployments: never counted again
-
-    def admin(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url, headers={"authorization": f"Bearer {self.admin_key}"}, timeout=60
-        )
-
-    def deploy(self, router: str, replicas: int, spill_factor: float) -> set[str]:
-        """Fresh replicas: the old app goes first, so no adapter survives from the previous router's run."""
-        if APP in serve.status().applications:
-            serve.delete(APP)
-        engine = {"model": str(self.model_dir), "num_kv_blocks": 256, "block_size": 4, "max_num_seqs": 16,
-                  "max_num_batched_tokens": 128, "max_loras": 4, "max_cpu_loras": 64}  # fmt: skip
-        model = {"name": MODEL, "engine": engine, "num_replicas": replicas, "router": router,
-                 "spill_factor": spill_factor, "report_interval_s": 0.5}  # fmt: skip
-        serve.run(build_app({"models": [model]}), name=APP, route_prefix="/", blocking=False)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            status = serve.status().applications.get(APP)
-            live = {r["replica"] for r in self.routing(within_s=1.5)} - self.seen
-            if status is not None and status.status == "RUNNING" and len(live) == replicas:
-                self.seen |= live
-                return live
-            time.sleep(0.5)
-        raise TimeoutError(f"{replicas} fresh replicas not reporting: {serve.status()}")
-
-    def routing(self, within_s: float) -> list[dict[str, Any]]:
-        try:
-            with self.admin() as admin:
-                reply = admin.get("/admin/routing", params={"model": MODEL, "within_s": within_s})
-        except httpx.HTTPError:  # between apps, or the ingress still starting
-            return []
-        if reply.status_code != 200:
-            return []
-        data: list[dict[str, Any]] = reply.json()["data"]
-        return data[0]["replicas"] if data else []
-
-    def snapshot(self, replicas: set[str]) -> Snapshot:
-        """Counters of `replicas`, each from a report written after this call (so everything sent is in)."""
-        since = datetime.now(UTC)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            rows = {r["replica"]: r for r in self.routing(within_s=5) if r["replica"] in replicas}
-            if len(rows) == len(replicas) and all(_at(r["reported_at"]) > since for r in rows.values()):
-                return rows
-        raise TimeoutError(f"replicas {sorted(replicas)} stopped reporting")
-
-
-def _at(stamp: str) -> datetime:
-    parsed = datetime.fromisoformat(stamp)
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+MODEL = "tiny-llama"
 
 
 def delta(before: Snapshot, after: Snapshot) -> tuple[int, int, dict[str, set[str]]]:
@@ -211,44 +146,21 @@ def main() -> None:
     if args.tiny:
         args.bursts, args.max_tokens, args.adapters, args.replicas = 1, 1, 6, 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
-    work = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     # The e2e tests' setup: tiny Llama (cached, shared with bench.gateway) and its demo-sql adapter.
     model_dir = ensure_model(Path("var/bench/tiny-llama"), arch="llama", preset="tiny").resolve()
-    adapter_dir = build_from_recipe(DEMO_ADAPTERS[0], model_dir, work / "demo-sql")
-    database_url = f"sqlite:///{work / 'loraplex.db'}"
-    upgrade(database_url)
-    env = {
-        "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns token auth on for new local clusters
-        "LORAPLEX_DATA_DIR": str(work),
-        "LORAPLEX_DATABASE_URL": database_url,
-        "LORAPLEX_ADMIN_KEY": secrets.token_urlsafe(24),
-        "LORAPLEX_AUTH_CACHE_TTL_S": "0.2",
-        "LORAPLEX_ADAPTER_STORE": str(work / "adapters"),
-    }
-    os.environ.update(env)  # build_app reads Settings here; workers get the same through runtime_env
-    os.environ.pop("RAY_GCS_SERVER_PORT", None)  # unset: a local cluster takes a random GCS port, not 6379
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
-             runtime_env={"env_vars": env})  # fmt: skip
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        platform = Platform(f"http://127.0.0.1:{port}", env["LORAPLEX_ADMIN_KEY"], model_dir)
-        platform.deploy("default", 1, args.spill_factor)  # one replica to upload through: retired after
-        key, names = setup(platform, adapter_dir, args.adapters)
-        default = measure(platform, key, names, "default", args)
-        ours = measure(platform, key, names, "adapter_aware", args)
-    finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
-        ray.shutdown()
-        shutil.rmtree(work, ignore_errors=True)  # the database, store and adapter: this run's only
+    with tempfile.TemporaryDirectory(prefix="routing-bench-") as work:
+        adapter_dir = build_from_recipe(DEMO_ADAPTERS[0], model_dir, Path(work) / "demo-sql")
+        with local_platform(model_dir, MODEL) as platform:
+            platform.deploy("default", 1, args.spill_factor)  # one replica to upload through: retired after
+            key, names = setup(platform, adapter_dir, args.adapters)
+            default = measure(platform, key, names, "default", args)
+            ours = measure(platform, key, names, "adapter_aware", args)
     print(f"{'':24}{'default':>12}{'adapter_aware':>16}")
     for field in default:
         print(f"{field:24}{default[field]!s:>12}{ours[field]!s:>16}")
     result = {
         "bench": "routing", "replicas": args.replicas, "adapters": args.adapters, "bursts": args.bursts,
-        "spill_factor": args.spill_factor, "ours": ours, "default": default,
+        "spill_factor": args.spill_factor, "ours": ours, "default": default, "machine": machine(),
         "ratios": {
             "loads_default_over_ours": ratio(default["loads"], ours["loads"]),
             "hit_rate_ours_over_default": ratio(ours["hit_rate"], default["hit_rate"]),

@@ -1,9 +1,10 @@
 """Every benchmark runs: each `bench/` script's `--tiny` mode, as a subprocess, ends with one JSON line.
 
 Timings are never asserted here (they belong to the benches' own output); this only keeps a bench from
-breaking unseen when the code it measures changes. `bench.load_test` has a `--tiny` mode too, but even
-that starts Ray and `serve run` for minutes: tests/e2e/test_load_and_faults.py runs it whole, with every
-fault, so here only its options are checked. A new script in bench/ must be listed below.
+breaking unseen when the code it measures changes, and checks that its JSON names the machine it ran on.
+`bench.load_test` has a `--tiny` mode too, but even that starts Ray and `serve run` for minutes:
+tests/e2e/test_load_and_faults.py runs it whole, with every fault, so here only its options are checked.
+A new script in bench/ must be listed below.
 """
 
 import ast
@@ -30,7 +31,7 @@ BENCHES = {
     "multi_lora": {"ours_tok_s", "peft_tok_s", "ratio_vs_peft", "ratio_continuous_vs_static"},
     "gateway": {"requests", "overhead_p50_ms", "serve_overhead_p50_ms"},
     "routing": {"ours", "default", "ratios"},
-    "grammar_libraries": {"xgrammar", "llguidance", "cpu", "chosen"},
+    "grammar_libraries": {"xgrammar", "llguidance", "chosen"},
     "adapter_store": {
         "upload_ms",
         "cold_ms",
@@ -39,11 +40,35 @@ BENCHES = {
         "local_ms",
         "ratio_cold_vs_hit_fresh",
     },
-    "structured": {"throughput_ratio", "compile_p50_ms", "compile_p99_ms", "mask_us_per_token", "cpu"},
+    "structured": {"throughput_ratio", "compile_p50_ms", "compile_p99_ms", "mask_us_per_token"},
     "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},
+    "http_load": {"engine", "platform", "overhead", "metering", "errors", "capacity_rps", "rate_rps"},
+    "prefix_reuse": {
+        "followup_ttft_ms",
+        "cold_ttft_ms",
+        "ratio_followup_vs_cold",
+        "ratio_default_vs_cold",
+        "cached_tokens_exact",
+    },
+    "multi_tenant": {
+        "throughput_vs_resident",
+        "ttft_p99_vs_resident",
+        "max_wait_s",
+        "loads",
+        "adapters",
+        "slots",
+    },
 }
 RUN_ELSEWHERE = {"load_test": "tests/e2e/test_load_and_faults.py"}
-HELPERS = {"__init__", "assets", "load_faults", "locustfile", "ray_ops"}  # pieces of benches, not benches
+HELPERS = {
+    "__init__",
+    "assets",
+    "load_faults",
+    "locustfile",
+    "ray_ops",
+    "measure",
+    "workload",
+}  # pieces of benches, not benches
 
 
 def present(bench: str) -> bool:
@@ -68,6 +93,9 @@ def test_the_bench_runs_in_its_tiny_mode(bench: str, request: pytest.FixtureRequ
     data = json.loads(last)
     assert isinstance(data, dict) and data, last
     assert BENCHES[bench] <= set(data), f"{bench} printed {sorted(data)}"
+    # Every figure says which machine gave it (bench.measure.machine()).
+    assert isinstance(data.get("machine"), dict), f"{bench} printed no machine: {sorted(data)}"
+    assert {"cpu", "isa", "threads"} <= set(data["machine"]), f"{bench} machine: {data['machine']}"
 
 
 def test_every_script_in_bench_is_run_or_named_a_helper() -> None:
