@@ -68,6 +68,7 @@ HELPERS = {
     "ray_ops",
     "measure",
     "workload",
+    "serve_platform",
 }  # pieces of benches, not benches
 
 
