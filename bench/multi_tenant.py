@@ -40,6 +40,7 @@ from deployments.engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class RunResult:
     throughput: float  # generated tokens per second of makespan
+    makespan_s: float  # the replay clock (trace time 0) -> last finish
     ttft_p50: float
     ttft_p99: float
     max_wait_s: float
@@ -102,6 +103,7 @@ def replay(
     ttfts = [first[rid] - due[rid] for rid in due]
     return RunResult(
         throughput=tokens / last,
+        makespan_s=last,
         ttft_p50=statistics.median(ttfts),
         ttft_p99=percentile(ttfts, 0.99),
         max_wait_s=max(waits),
@@ -159,9 +161,7 @@ def make_trace(args: argparse.Namespace, *, rate_per_s: float, seed: int) -> lis
 def capacity(engine: LLMEngine, refs: list[AdapterRef], vocab: int, args: argparse.Namespace) -> float:
     """Requests per second the all-resident engine completes with its queue never empty."""
     burst = make_trace(args, rate_per_s=1e9, seed=10_000)
-    result = replay(engine, burst, refs, vocab, "capacity")
-    makespan = sum(a.max_tokens for a in burst) / result.throughput
-    return len(burst) / makespan
+    return len(burst) / replay(engine, burst, refs, vocab, "capacity").makespan_s
 
 
 def main() -> None:
@@ -209,13 +209,12 @@ def main() -> None:
     rate = args.load * cap
 
     runs: dict[str, list[RunResult]] = {"ours": [], "resident": []}
-    rounds = iter(range(10**6))
 
     def peer(name: str, engine: LLMEngine) -> Any:
         def run() -> float:
             seed = len(runs[name]) + 1  # round r replays trace r on both peers
             trace = make_trace(args, rate_per_s=rate, seed=seed)
-            result = replay(engine, trace, refs, vocab, f"{name}-{next(rounds)}")
+            result = replay(engine, trace, refs, vocab, f"{name}-{seed}")
             runs[name].append(result)
             return result.throughput
 
