@@ -16,7 +16,7 @@ from deployments.engine.cpu_features import cpu_features
 
 
 def machine(dtype: str | None = None) -> dict[str, Any]:
-    """CPU model, ISA, cores, torch threads and version (and the compute dtype when the bench has one)."""
+    """CPU model, ISA, cores, torch threads and version, the GPU if any, and the compute dtype if given."""
     cpu = cpu_features()
     info: dict[str, Any] = {
         "cpu": cpu.model,
@@ -27,6 +27,8 @@ def machine(dtype: str | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "arch": platform.machine(),
     }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
     if dtype is not None:
         info["dtype"] = dtype
     return info

@@ -15,7 +15,11 @@ activation time (CPU tier -> slot, disk -> slot).
 Every peer runs the same model, dtype, threads and prompts; "machine" in the JSON names the CPU, its ISA and
 the threads. Prefix caching is off in the bench engine so no round reuses another's prompt KV.
 
+The decode step is also set against its floor: every weight byte (and, with adapters, every adapter byte)
+read once per step at the streaming bandwidth measured in the same rounds (KV reads left out: a lower bound).
+
 Run:  python -m bench.multi_lora [--quick | --tiny] [--dtype auto|float32|bfloat16] [--device cuda]
+      [--quantization nf4|int8] [--preset bench-1b] [--only-overhead]
 The last line is one JSON object.
 """
 
@@ -128,9 +132,14 @@ def decode_tok_s(
 
 
 def stream_gb_s(buffer: torch.Tensor) -> float:
-    """The machine's streaming read bandwidth now (all threads), over a buffer as large as the adapters."""
+    """The device's streaming read bandwidth now (all threads on a CPU), over `buffer`."""
+    cuda = buffer.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(buffer.device)
     start = time.perf_counter()
     buffer.sum()
+    if cuda:
+        torch.cuda.synchronize(buffer.device)
     return buffer.nbytes / 1e9 / (time.perf_counter() - start)
 
 
@@ -222,6 +231,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--preset", default="bench-150m")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--quantization", default="none", choices=["none", "nf4", "int8"])
     parser.add_argument("--rounds", type=int, default=None, help="overhead rounds per peer (default by mode)")
     parser.add_argument("--only-overhead", action="store_true", help="only the adapters-vs-base part")
     args = parser.parse_args()
@@ -243,6 +253,7 @@ def main() -> None:
             adapter_store=store_root,
             dtype=dtype_name,
             device=args.device,
+            quantization=args.quantization,
             max_loras=args.adapters,
             max_lora_rank=args.rank,
             max_num_seqs=batch,
@@ -272,7 +283,10 @@ def main() -> None:
     # Every decode step reads each resident adapter's A and B once (2 tokens per adapter: no reuse), so the
     # step cannot be faster than base + those bytes at the machine's streaming bandwidth: measured in turns.
     lora_bytes = sum(m.lora_a.nbytes + m.lora_b.nbytes for m in engine.loaded.lora_modules.values())
-    stream = torch.ones(max(1, lora_bytes // 4), dtype=torch.float32)
+    # On a CPU the buffer is as large as the adapters (their bytes are what the ceiling streams); a GPU's
+    # bandwidth only shows over a buffer far beyond its L2, hence 1 GiB there.
+    floor_bytes = lora_bytes if engine_device.type == "cpu" else max(lora_bytes, 1 << 30)
+    stream = torch.ones(max(1, floor_bytes // 4), dtype=torch.float32, device=engine_device)
     peers: dict[str, Callable[[], float]] = {
         "decode_lora": lambda: decode_tok_s(engine, decode_prompts, refs, steps),
         "decode_base": lambda: decode_tok_s(engine, decode_prompts, None, steps),
@@ -283,6 +297,8 @@ def main() -> None:
     for peer in peers.values():  # first use of each shape (oneDNN primitives, KV blocks) stays out of it
         peer()
     overhead = Interleaved(peers, repeats=rounds).run()
+    weight_bytes = engine.loaded.weights_bytes
+    bandwidth = statistics.median(overhead.samples["stream_gb_s"]) * 1e9
     ceilings = [
         1.0 / (1.0 + lora_bytes / (gb_s * 1e9) / (batch / base))  # base step time vs streaming the adapters
         for gb_s, base in zip(overhead.samples["stream_gb_s"], overhead.samples["decode_base"], strict=True)
@@ -296,6 +312,18 @@ def main() -> None:
         "overhead_tok_s": overhead.summary(),
         "decode_ratio_memory_ceiling": spread(ceilings),
         "lora_bytes_per_decode_step_mb": round(lora_bytes / 1e6, 1),
+        "weights_mb": round(weight_bytes / 1e6, 1),
+        "stream_gb_s": round(bandwidth / 1e9, 1),
+        # Step time vs reading every weight (and adapter) byte once at that bandwidth; 1.0 is the floor.
+        "decode_step_ms": {
+            "base": round(batch / overhead.median("decode_base") * 1e3, 3),
+            "lora": round(batch / overhead.median("decode_lora") * 1e3, 3),
+            "floor_base": round(weight_bytes / bandwidth * 1e3, 3),
+            "floor_lora": round((weight_bytes + lora_bytes) / bandwidth * 1e3, 3),
+        },
+        "decode_floor_vs_step_base": round(
+            weight_bytes / bandwidth / (batch / overhead.median("decode_base")), 3
+        ),
         "overhead_rounds": rounds,
         "lora_kernel": engine.loaded.lora_context.kernel_name,
     }
@@ -409,6 +437,7 @@ def finish(
             "dtype": dtype_name,
             "batch": batch,
             "mode": mode,
+            "quantization": args.quantization,
             "model": Path(model_dir).name,
             "device": str(device),
             "machine": machine(dtype_name),

@@ -224,6 +224,17 @@ PRESETS: dict[str, ModelShape] = {
         max_position_embeddings=4096,
         sliding_window=1024,
     ),
+    # TinyLlama-1.1B's shape: the GPU benches' larger model (random init, built where it runs).
+    "bench-1b": ModelShape(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        sliding_window=1024,
+    ),
 }
 
 
