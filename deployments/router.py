@@ -15,8 +15,12 @@ replicas before the stats catch up. This router:
   like a recent request's, same tenant and adapter) prefers the replica that served the earlier turn, so
   its prefix-cache blocks are reused.
 
-Each rank returned is a list Serve probes for queue length, taking the shortest; the first rank holds a
-single replica whenever one is clearly right, so the choice stays deterministic.
+Each rank returned is a list from which Serve takes the replica with the shortest queue. Within a rank,
+Serve only compares replicas whose queue length it has cached (fresh for 10 s) and probes the others only
+when none is cached: a rank that mixes a replica with recent traffic and freshly started ones sends a
+whole burst to the known one. So every choice this router makes is a rank of one replica (Serve probes it
+if it must): the policy's pick, then the least loaded by this router's view, then the wider lists as
+fallbacks for when those are full or do not answer.
 """
 
 import hashlib
@@ -112,7 +116,7 @@ class AdapterAwareRouter(RequestRouter):
         follow_up = by_id.get(previous) if previous is not None else None
         if request.adapter is None:
             first = [follow_up] if follow_up is not None and follow_up in fit else []
-            return [first, self._by_load(fit), self._by_load(replicas)]
+            return [first, self._least_loaded(fit), self._by_load(fit), self._by_load(replicas)]
 
         ref, adapter_id = str(request.adapter), request.adapter.adapter_id
         in_slot = [r for r in fit if ref in _stats(r).get("device_adapters", ())]
@@ -128,7 +132,8 @@ class AdapterAwareRouter(RequestRouter):
             self.held_decisions += 1
         with_slot = [r for r in fit if _stats(r).get("free_slots", 1) > 0]
         # One replica first (deterministic: the adapter stays in one place), then spill options.
-        return [ordered[:1], self._by_load(with_slot or fit), self._by_load(replicas)]
+        spill = with_slot or fit
+        return [ordered[:1], self._least_loaded(spill), self._by_load(spill), self._by_load(replicas)]
 
     def _overloaded(self, replica: RunningReplica) -> bool:
         stats = _stats(replica)
@@ -142,6 +147,9 @@ class AdapterAwareRouter(RequestRouter):
         reported = float(stats.get("running", 0) + stats.get("waiting", 0))
         queued = self.replica_queue_len_cache.get(replica.replica_id)  # fresher: counts our own sends
         return max(reported, float(queued or 0))
+
+    def _least_loaded(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        return self._by_load(replicas)[:1]
 
     def _by_load(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         # Ties in random order: a burst decided before any of it reaches a replica sees every replica

@@ -83,8 +83,14 @@ def test_a_hot_adapter_spills_past_its_overloaded_home(serve_app: ServeApp) -> N
 @pytest.mark.slow
 @pytest.mark.usefixtures("restore")
 def test_follow_up_turns_return_to_the_replica_holding_their_prefix(serve_app: ServeApp) -> None:
-    deploy(serve_app, 3)
     _, key = serve_app.new_tenant(f"turns-{uuid.uuid4().hex[:8]}", tier="enterprise")
+    # Traffic just before the scale-up leaves the ingress's router a fresh queue length (Serve keeps it 10 s)
+    # for the old replica only; where the scale-up is quicker than that, a router that listed the old replica
+    # beside the new ones sent the whole burst below to it (tests/routing/test_router_policy.py has the rule).
+    warm = {"model": "tiny-llama", "prompt": "Low tide", "max_tokens": 2}
+    assert httpx.post(f"{serve_app.url}/v1/completions", json=warm, timeout=60,
+                      headers={"authorization": f"Bearer {key}"}).status_code == 200  # fmt: skip
+    deploy(serve_app, 3)
     conversations = [
         [
             {

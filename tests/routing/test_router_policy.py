@@ -111,7 +111,8 @@ def test_base_requests_go_to_the_least_loaded_and_follow_ups_stick() -> None:
     ]
     router = make_router()
     assert router._rank(replicas, request(None))[0] == []  # type: ignore[arg-type]
-    assert [r.name for r in router._rank(replicas, request(None))[1]] == ["b", "c", "a"]  # type: ignore[arg-type,attr-defined]
+    ranks = router._rank(replicas, request(None))  # type: ignore[arg-type]
+    assert [[r.name for r in rank] for rank in ranks[1:3]] == [["b"], ["b", "c", "a"]]  # type: ignore[attr-defined]
 
     long_prompt = list(range(PREFIX_TOKENS + 10))
     router._prefix_home.put(_prefix(long_prompt, "t"), replicas[2].replica_id)  # type: ignore[arg-type]
@@ -137,4 +138,33 @@ def test_a_burst_over_equally_idle_replicas_spreads() -> None:
     leaders = {router._rank(replicas, request(None))[1][0].name for _ in range(60)}  # type: ignore[arg-type,attr-defined]
     assert leaders == {"a", "b", "c"}
     busy = [FakeReplica("a", stats(running=1)), *replicas[1:]]
-    assert all(router._rank(busy, request(None))[1][-1].name == "a" for _ in range(20))  # type: ignore[arg-type,attr-defined]
+    assert all(router._rank(busy, request(None))[2][-1].name == "a" for _ in range(20))  # type: ignore[arg-type,attr-defined]
+
+
+def serve_pick(rank: list[FakeReplica], cache: dict[FakeId, int]) -> FakeReplica:
+    """Serve's choice within one rank (RequestRouter._select_from_candidate_replicas): the shortest queue
+    among replicas with a cached queue length; the others are probed (here: idle) only when none is cached."""
+    cached = [r for r in rank if cache.get(r.replica_id) is not None]
+    if cached:
+        return min(cached, key=lambda r: cache[r.replica_id])
+    for r in rank:
+        cache[r.replica_id] = 0  # the probe's answer
+    return min(rank, key=lambda r: cache[r.replica_id])
+
+
+def test_a_burst_spreads_over_new_replicas_beside_one_with_recent_traffic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Right after a scale-up Serve has a fresh queue length only for the old replica: a rank that lists the
+    new ones beside it would send the whole burst there (the old router did)."""
+    cache: dict[FakeId, int] = {FakeId("a"): 0}  # traffic a few seconds ago; b and c just started
+    monkeypatch.setattr(AdapterAwareRouter, "replica_queue_len_cache", property(lambda self: cache))
+    replicas = [FakeReplica(name, stats()) for name in "abc"]
+    router = make_router()
+    chosen = []
+    for _ in range(6):  # decided before any of them reaches a replica's reported stats
+        rank = next(rank for rank in router._rank(replicas, request(None)) if rank)  # type: ignore[arg-type]
+        pick = serve_pick(rank, cache)  # type: ignore[arg-type]
+        cache[pick.replica_id] = cache.get(pick.replica_id, 0) + 1  # Serve's on_send_request
+        chosen.append(pick.name)
+    assert sorted(chosen) == ["a", "a", "b", "b", "c", "c"], chosen
