@@ -117,7 +117,11 @@ def build_app(args: dict[str, Any]) -> Application:
         if model.router == "adapter_aware":
             router: dict[str, Any] = {
                 "request_router_class": "deployments.router.AdapterAwareRouter",
-                "request_router_kwargs": {"spill_factor": model.spill_factor},
+                # max_num_seqs too: a replica's capacity before its first routing stats arrive.
+                "request_router_kwargs": {
+                    "spill_factor": model.spill_factor,
+                    "max_num_seqs": config.max_num_seqs,
+                },
                 "request_routing_stats_period_s": 1.0,  # residency changes quickly: refresh often
             }
             scaling["request_router_config"] = RequestRouterConfig(**router)

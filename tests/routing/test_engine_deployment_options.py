@@ -27,7 +27,7 @@ def test_autoscaling_router_and_drain() -> None:
     assert config.graceful_shutdown_timeout_s == 7
     router = config.request_router_config
     assert router.request_router_class == "deployments.router.AdapterAwareRouter"
-    assert router.request_router_kwargs == {"spill_factor": 2.5}
+    assert router.request_router_kwargs == {"spill_factor": 2.5, "max_num_seqs": 64}  # the engine default
     # Ray annotates Deployment.init_kwargs as Tuple[Any]; it is the kwargs dict given to bind().
     assert deployment.init_kwargs == {"report_interval_s": 0.5}  # type: ignore[comparison-overlap]
 

@@ -1,6 +1,7 @@
 """AdapterAwareRouter's policy on replicas described by their routing stats (no cluster needed): holders
 first, then the adapter's rendezvous home; spill when overloaded; base requests by load; follow-ups stick."""
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,3 +169,42 @@ def test_a_burst_spreads_over_new_replicas_beside_one_with_recent_traffic(
         cache[pick.replica_id] = cache.get(pick.replica_id, 0) + 1  # Serve's on_send_request
         chosen.append(pick.name)
     assert sorted(chosen) == ["a", "a", "b", "b", "c", "c"], chosen
+
+
+@dataclass
+class FakePending:
+    """What the policy reads of Serve's PendingRequest."""
+
+    args: list[Any]
+
+
+def test_a_burst_counts_the_routers_own_choices_before_serve_does() -> None:
+    """Serve adds a send to its queue cache only once the request has left, after other routing tasks of
+    the same burst have chosen: the router counts its own choices of the last second as load."""
+    replicas = [
+        FakeReplica("a", stats()),
+        FakeReplica("b", stats(running=1)),
+        FakeReplica("c", stats(running=1)),
+    ]
+    router = make_router()
+
+    async def burst() -> list[str]:
+        return [
+            (await router.choose_replicas(replicas, FakePending([request(None)])))[0][0].name  # type: ignore[arg-type,attr-defined]
+            for _ in range(6)
+        ]
+
+    chosen = asyncio.run(burst())
+    assert set(chosen) == {"a", "b", "c"} and chosen.count("a") <= 3, chosen  # ends level: a 2-3, b and c 1-2
+
+
+def test_a_replica_without_routing_stats_yet_is_overloaded_by_the_configured_capacity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    home = rendezvous_order("x", ["a", "b"])[0]
+    cache = {FakeId(home): 2}  # two sends counted; its first routing stats have not arrived
+    monkeypatch.setattr(AdapterAwareRouter, "replica_queue_len_cache", property(lambda self: cache))
+    replicas = [FakeReplica(n) for n in ("a", "b")]
+    router = AdapterAwareRouter.__new__(AdapterAwareRouter)
+    router.initialize_state(spill_factor=0.5, max_num_seqs=4)  # overloaded at 2
+    assert first(router, replicas, request("x")) != home
