@@ -28,8 +28,9 @@ def deploy(app: ServeApp, replicas: int, **options: Any) -> None:
     wait_for_replicas(app, replicas)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def restore(serve_app: ServeApp) -> Iterator[None]:
+    """The usual app back once, after the module: each test deploys its own shape first (a redeploy ~15 s)."""
     yield
     serve_app.deploy({"models": [
         {"name": "tiny-llama", "engine": engine_settings(serve_app.setups["llama"])},
