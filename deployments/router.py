@@ -10,9 +10,7 @@ replicas before the stats catch up. This router:
 - otherwise to the adapter's home replica, chosen by rendezvous hashing of (adapter, replica): every
   router instance, on every ingress replica, agrees on it without talking to the others;
 - spills to the least loaded replica with a free slot when the preferred one is overloaded
-  (running + waiting >= spill_factor * max_num_seqs), so one hot adapter cannot pin a replica; load is the
-  largest of the replica's reported queue, Serve's cached queue length and this router's own choices of
-  the last second (a burst's routing tasks choose before Serve counts any of their sends);
+  (running + waiting >= spill_factor * max_num_seqs), so one hot adapter cannot pin a replica;
 - sends base-model requests to the least loaded replica, except that a follow-up turn (its prompt starts
   like a recent request's, same tenant and adapter) prefers the replica that served the earlier turn, so
   its prefix-cache blocks are reused.
@@ -29,7 +27,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -42,7 +40,6 @@ log = logging.getLogger(__name__)
 PREFIX_TOKENS = 32  # a follow-up turn repeats at least this much of the earlier prompt
 MEMORY = 4096  # recent choices remembered (adapter -> replica, prompt prefix -> replica)
 MEMORY_TTL_S = 600.0
-RECENT_S = 1.0  # own choices count as load this long: Serve's queue cache and stats catch up within it
 
 
 def rendezvous(key: str, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -84,7 +81,6 @@ class AdapterAwareRouter(RequestRouter):
     ) -> None:
         self.spill_factor = spill_factor
         self.max_num_seqs = max_num_seqs  # a replica's capacity until its routing stats say
-        self._recent: deque[tuple[float, ReplicaID]] = deque()  # this router's choices, newest last
         self._adapter_home = _Memory()  # adapter -> where this router last sent it
         self._prefix_home = _Memory()  # prompt prefix -> where its earlier turn went
         self.decisions = 0
@@ -101,12 +97,7 @@ class AdapterAwareRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == abort.replica]]
         if request is None:  # stats and other control calls: anyone not overloaded
             return [self._by_load(candidate_replicas)]
-        ranks = [rank for rank in self._rank(candidate_replicas, request) if rank]
-        if ranks:
-            # Serve counts a send in its queue cache only after the request leaves, so concurrent routing
-            # tasks of one burst would all see the same idle replica: count the choice now.
-            self._recent.append((time.monotonic(), ranks[0][0].replica_id))
-        return ranks
+        return [rank for rank in self._rank(candidate_replicas, request) if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = _engine_request(pending_request)
@@ -157,11 +148,7 @@ class AdapterAwareRouter(RequestRouter):
         stats = _stats(replica)
         reported = float(stats.get("running", 0) + stats.get("waiting", 0))
         queued = self.replica_queue_len_cache.get(replica.replica_id)  # fresher: counts our own sends
-        horizon = time.monotonic() - RECENT_S
-        while self._recent and self._recent[0][0] < horizon:
-            self._recent.popleft()
-        chosen = sum(1 for _, replica_id in self._recent if replica_id == replica.replica_id)
-        return max(reported, float(queued or 0), float(chosen))
+        return max(reported, float(queued or 0))
 
     def _least_loaded(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         return self._by_load(replicas)[:1]

@@ -1,7 +1,6 @@
 """AdapterAwareRouter's policy on replicas described by their routing stats (no cluster needed): holders
 first, then the adapter's rendezvous home; spill when overloaded; base requests by load; follow-ups stick."""
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,33 +168,6 @@ def test_a_burst_spreads_over_new_replicas_beside_one_with_recent_traffic(
         cache[pick.replica_id] = cache.get(pick.replica_id, 0) + 1  # Serve's on_send_request
         chosen.append(pick.name)
     assert sorted(chosen) == ["a", "a", "b", "b", "c", "c"], chosen
-
-
-@dataclass
-class FakePending:
-    """What the policy reads of Serve's PendingRequest."""
-
-    args: list[Any]
-
-
-def test_a_burst_counts_the_routers_own_choices_before_serve_does() -> None:
-    """Serve adds a send to its queue cache only once the request has left, after other routing tasks of
-    the same burst have chosen: the router counts its own choices of the last second as load."""
-    replicas = [
-        FakeReplica("a", stats()),
-        FakeReplica("b", stats(running=1)),
-        FakeReplica("c", stats(running=1)),
-    ]
-    router = make_router()
-
-    async def burst() -> list[str]:
-        return [
-            (await router.choose_replicas(replicas, FakePending([request(None)])))[0][0].name  # type: ignore[arg-type,attr-defined]
-            for _ in range(6)
-        ]
-
-    chosen = asyncio.run(burst())
-    assert set(chosen) == {"a", "b", "c"} and chosen.count("a") <= 3, chosen  # ends level: a 2-3, b and c 1-2
 
 
 def test_a_replica_without_routing_stats_yet_is_overloaded_by_the_configured_capacity(
