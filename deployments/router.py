@@ -118,7 +118,8 @@ class AdapterAwareRouter(RequestRouter):
         follow_up = by_id.get(previous) if previous is not None else None
         if request.adapter is None:
             first = [follow_up] if follow_up is not None and follow_up in fit else []
-            return [first, self._least_loaded(fit), self._by_load(fit), self._by_load(replicas)]
+            by_load = self._by_load(fit)
+            return [first, by_load[:1], by_load, self._by_load(replicas)]
 
         ref, adapter_id = str(request.adapter), request.adapter.adapter_id
         in_slot = [r for r in fit if ref in _stats(r).get("device_adapters", ())]
@@ -134,8 +135,8 @@ class AdapterAwareRouter(RequestRouter):
             self.held_decisions += 1
         with_slot = [r for r in fit if _stats(r).get("free_slots", 1) > 0]
         # One replica first (deterministic: the adapter stays in one place), then spill options.
-        spill = with_slot or fit
-        return [ordered[:1], self._least_loaded(spill), self._by_load(spill), self._by_load(replicas)]
+        spill = self._by_load(with_slot or fit)
+        return [ordered[:1], spill[:1], spill, self._by_load(replicas)]
 
     def _overloaded(self, replica: RunningReplica) -> bool:
         stats = _stats(replica)
@@ -149,9 +150,6 @@ class AdapterAwareRouter(RequestRouter):
         reported = float(stats.get("running", 0) + stats.get("waiting", 0))
         queued = self.replica_queue_len_cache.get(replica.replica_id)  # fresher: counts our own sends
         return max(reported, float(queued or 0))
-
-    def _least_loaded(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
-        return self._by_load(replicas)[:1]
 
     def _by_load(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         # Ties in random order: a burst decided before any of it reaches a replica sees every replica
