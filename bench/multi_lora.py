@@ -299,6 +299,8 @@ def main() -> None:
     overhead = Interleaved(peers, repeats=rounds).run()
     weight_bytes = engine.loaded.weights_bytes
     bandwidth = statistics.median(overhead.samples["stream_gb_s"]) * 1e9
+    base_step_s = batch / overhead.median("decode_base")
+    floor_base_s = weight_bytes / bandwidth
     ceilings = [
         1.0 / (1.0 + lora_bytes / (gb_s * 1e9) / (batch / base))  # base step time vs streaming the adapters
         for gb_s, base in zip(overhead.samples["stream_gb_s"], overhead.samples["decode_base"], strict=True)
@@ -316,14 +318,12 @@ def main() -> None:
         "stream_gb_s": round(bandwidth / 1e9, 1),
         # Step time vs reading every weight (and adapter) byte once at that bandwidth; 1.0 is the floor.
         "decode_step_ms": {
-            "base": round(batch / overhead.median("decode_base") * 1e3, 3),
+            "base": round(base_step_s * 1e3, 3),
             "lora": round(batch / overhead.median("decode_lora") * 1e3, 3),
-            "floor_base": round(weight_bytes / bandwidth * 1e3, 3),
+            "floor_base": round(floor_base_s * 1e3, 3),
             "floor_lora": round((weight_bytes + lora_bytes) / bandwidth * 1e3, 3),
         },
-        "decode_floor_vs_step_base": round(
-            weight_bytes / bandwidth / (batch / overhead.median("decode_base")), 3
-        ),
+        "decode_floor_vs_step_base": round(floor_base_s / base_step_s, 3),
         "overhead_rounds": rounds,
         "lora_kernel": engine.loaded.lora_context.kernel_name,
     }
