@@ -30,9 +30,9 @@ class FakeReplica:
         return FakeId(self.name)
 
 
-def make_router(spill_factor: float = 1.5) -> AdapterAwareRouter:
+def make_router(spill_factor: float = 1.5, max_num_seqs: int | None = None) -> AdapterAwareRouter:
     router = AdapterAwareRouter.__new__(AdapterAwareRouter)  # Serve's constructor needs a live controller
-    router.initialize_state(spill_factor=spill_factor)
+    router.initialize_state(spill_factor=spill_factor, max_num_seqs=max_num_seqs)
     return router
 
 
@@ -177,6 +177,5 @@ def test_a_replica_without_routing_stats_yet_is_overloaded_by_the_configured_cap
     cache = {FakeId(home): 2}  # two sends counted; its first routing stats have not arrived
     monkeypatch.setattr(AdapterAwareRouter, "replica_queue_len_cache", property(lambda self: cache))
     replicas = [FakeReplica(n) for n in ("a", "b")]
-    router = AdapterAwareRouter.__new__(AdapterAwareRouter)
-    router.initialize_state(spill_factor=0.5, max_num_seqs=4)  # overloaded at 2
+    router = make_router(spill_factor=0.5, max_num_seqs=4)  # overloaded at 2
     assert first(router, replicas, request("x")) != home
