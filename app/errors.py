@@ -33,6 +33,7 @@ from deployments.engine.interface import (
     EngineStopped,
     InvalidRequest,
     PromptTooLong,
+    QueueShareExceeded,
     ReplicaLost,
 )
 
@@ -225,6 +226,10 @@ def to_api_error(error: Exception) -> APIError:
         return APIError(400, str(error), param="max_tokens")
     if isinstance(error, InvalidRequest):
         return APIError(400, str(error), param=error.param)
+    if isinstance(error, QueueShareExceeded):  # this tenant's own backlog, not the engine's: throttled
+        log.info("engine queue share exceeded: %s", error)
+        message = "Too many of your requests wait for this model while others wait too; please retry shortly."
+        return APIError(429, message, code="queue_share_exceeded", headers={"retry-after": "1"})
     if isinstance(error, EngineOverloaded | EngineStopped):
         log.info("engine unavailable: %s", error)  # queue depths and causes stay in the log
         message = "The model is overloaded or restarting; please retry shortly."

@@ -171,6 +171,7 @@ class Generation:
             cache_salt=self.principal.tenant_id,  # tenants never share cached prefixes
             announce=True,  # so a client leaving before its first token still pays for its prefill
             more_prompts=tuple(prompts[1:]),
+            tenant=self.principal.tenant_id,  # the engine's fair share of its waiting queue
         )
         choices = Choices(self.kind, shape, prompts, self.target.base.prompts.tokens)
         outputs = self._engine_outputs()
