@@ -130,7 +130,7 @@ class PayloadTooLarge(APIError):
 _LIMIT_NAMES = {
     "requests": "requests per minute (RPM): limit {limit}",
     "tokens": "tokens per minute (TPM): limit {limit}",
-    "concurrency": "concurrent requests: limit {limit}",
+    "concurrency": "concurrent sequences (each request counts n x prompts): limit {limit}",
     "queued": "queued requests: the wait ran out behind earlier ones",
     "queue_full": "queued requests: this tenant has the most queued that it may",
 }
@@ -152,6 +152,20 @@ class RateLimited(APIError):
         }
         message = f"Rate limit reached for {what} on tier {tier}{waited}. Please try again in {retry_s:g}s."
         super().__init__(429, message, code="rate_limit_exceeded", headers=headers)
+
+
+class TooManySequences(InvalidParameter):
+    """400: a request runs more sequences (every choice of every prompt) than it ever may; retrying the same
+    request cannot help, so it is refused at once rather than queued."""
+
+    def __init__(
+        self, sequences: int, limit: str, *, n: int | None = None, prompts: int | None = None
+    ) -> None:
+        what = f"{sequences} sequences (n x prompts)"
+        if n is not None and prompts is not None:
+            what = f"n ({n}) x prompts ({prompts}) = {sequences} sequences"
+        message = f"This request needs {what}; {limit}. Lower n or send fewer prompts."
+        super().__init__(message, param="n", code="too_many_sequences")
 
 
 class RequestTooLarge(APIError):
