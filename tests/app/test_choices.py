@@ -207,7 +207,7 @@ def test_echo_with_logprobs_gives_every_choice_the_prompts_logprobs(
     reply = account.client.completions.create(
         model=MODEL, prompt=PROMPTS[1], n=3, max_tokens=3, echo=True, logprobs=1, seed=5
     )
-    heads = []
+    heads: list[list[float | None]] = []
     for choice in reply.choices:
         lp = choice.logprobs
         assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
