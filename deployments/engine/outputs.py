@@ -80,3 +80,6 @@ class EngineStats:
     aborts: int = 0  # requests aborted (the caller left) before they finished
     generated_tokens: int = 0  # output tokens sampled since start
     adapter_disk_loads: dict[str, int] = field(default_factory=dict)  # ref -> reads from the store
+    # Structured-output requests refused since start, by reason: "schema" (it cannot be enforced),
+    # "timeout" (its compile passed the bound, or did so recently) or "busy" (no grammar thread in time).
+    grammar_refusals: dict[str, int] = field(default_factory=dict)
