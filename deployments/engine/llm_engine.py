@@ -7,6 +7,7 @@ and may run on any thread, so callers get named errors before anything is queued
 import logging
 import os
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -110,6 +111,7 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, m.device, seed=config.seed)
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._started = time.monotonic()
         self.busy_seconds = 0.0
@@ -191,14 +193,16 @@ class LLMEngine:
 
     @property
     def grammars(self) -> "GrammarCompiler":
-        """Compiles structured-output grammars for this model's tokenizer (thread-safe; made on first use)."""
-        if self._grammars is None:
-            from deployments.engine.grammar import GrammarCompiler
+        """Compiles structured-output grammars for this model's tokenizer (thread-safe; made on first use,
+        cheaply: it converts the tokenizer on its first compile)."""
+        with self._grammars_lock:  # callers on several threads must all get the one cache
+            if self._grammars is None:
+                from deployments.engine.grammar import GrammarCompiler
 
-            self._grammars = GrammarCompiler(
-                self.tokenizer, self.vocab_size, sorted(self.loaded.eos_token_ids)
-            )
-        return self._grammars
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, sorted(self.loaded.eos_token_ids)
+                )
+            return self._grammars
 
     @staticmethod
     def attach_grammar(seqs: list[Sequence], grammar: "CompiledGrammar") -> None:
@@ -563,6 +567,7 @@ class LLMEngine:
             generated_tokens=self.generated_tokens,
             prefill_tokens=self.prefill_tokens,
             adapter_disk_loads=dict(self.adapters.disk_loads),
+            grammar_refusals=self._grammars.refusals() if self._grammars is not None else {},
         )
 
     def close(self) -> None:
