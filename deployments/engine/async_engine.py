@@ -78,7 +78,7 @@ class AsyncEngine:
             raise DuplicateRequestId(request_id)
         seqs = self.engine.make_sequences(request)
         if request.params.structured is not None:  # compiled before queueing: a bad schema is refused here
-            grammar = await self._compile(request.params.structured, request.cache_salt)
+            grammar = await self._compile(request.params.structured, request.tenant)
             self.engine.attach_grammar(seqs, grammar)
         if request_id in self._streams:
             raise DuplicateRequestId(request_id)
@@ -102,8 +102,8 @@ class AsyncEngine:
 
     async def _compile(self, spec: StructuredOutput, tenant: str | None) -> "CompiledGrammar":
         """The grammar of `spec`, compiled on a grammar thread, never the loop thread: a request waits only
-        for its own grammar, and the batch goes on meanwhile. The tenant (the request's `cache_salt`, which
-        the ingress sets to the tenant id) owns a share of the grammar cache and takes turns on the threads.
+        for its own grammar, and the batch goes on meanwhile. The tenant (`EngineRequest.tenant`, an opaque id
+        the ingress sets) owns a share of the grammar cache and takes turns on the threads.
 
         The whole wait, queue included, is bounded by grammar_compile_timeout_s. Past it, a compile that no
         thread took is dropped and refused as overload (503); one that was running is refused (400), and so

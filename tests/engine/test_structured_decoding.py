@@ -185,7 +185,7 @@ async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
         started = time.monotonic()
         results = await asyncio.gather(
             _collect(  # another tenant's: one tenant compiles on one grammar thread at a time
-                engine, EngineRequest("slow", [1, 2], SamplingParams(structured=slow_spec), cache_salt="a")
+                engine, EngineRequest("slow", [1, 2], SamplingParams(structured=slow_spec), tenant="a")
             ),
             _collect(engine, EngineRequest("free", [3, 4], free)),
             return_exceptions=True,
@@ -240,7 +240,7 @@ def held(name: str) -> StructuredOutput:
 
 
 def structured(rid: str, spec: StructuredOutput, tenant: str) -> EngineRequest:
-    return EngineRequest(rid, [1, 2], SamplingParams(max_tokens=4, structured=spec), cache_salt=tenant)
+    return EngineRequest(rid, [1, 2], SamplingParams(max_tokens=4, structured=spec), tenant=tenant)
 
 
 @pytest.fixture
