@@ -39,6 +39,7 @@ import fsspec
 from adapters.directory_store import ADAPTER_FILES, TOMBSTONE, VERSION_DIR, check_id, check_source
 from adapters.errors import (
     AdapterError,
+    AdapterInvalid,
     AdapterLoadFailed,
     AdapterNotFound,
     AdapterStoreUnavailable,
@@ -153,9 +154,13 @@ class ObjectStore:
             if len(parts) != 2 or (match := VERSION_DIR.fullmatch(parts[1])) is None:
                 continue
             ref = AdapterRef(parts[0], int(match[1]))
+            try:
+                check_id(ref.adapter_id)
+            except AdapterInvalid:  # not a marker we wrote: the ids we write are valid
+                continue
             with self._calls("sweep"):
                 files = self._fs.find(self._key(ref, ""), detail=True)
-                if max((_mtime(i) for i in files.values()), default=_mtime(info)) >= cutoff:
+                if max([_mtime(info), *(_mtime(i) for i in files.values())]) >= cutoff:
                     continue  # a writer may still be at work
                 if self._key(ref, MANIFEST_FILE) not in files:  # else it finished but died before this
                     log.info("sweeping %s: an upload that never got its manifest", ref)
