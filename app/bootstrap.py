@@ -1,5 +1,8 @@
 """build_services: wire settings, database, catalog and an engine client into Services."""
 
+import logging
+
+from adapters.errors import AdapterStoreUnavailable
 from adapters.store import AdapterStore, remove_stale
 from app.adapter_resolver import AdapterResolver
 from app.auth_failures import FailureThrottle
@@ -20,6 +23,18 @@ from billing import migrate
 from billing.db import make_engine, make_session_factory
 from billing.schema_gate import SchemaGate
 from deployments.engine.interface import EngineClient
+
+log = logging.getLogger(__name__)
+
+
+def adapter_store(settings: Settings) -> AdapterStore:
+    """The adapter store as this process sees it: an object store read through the configured node
+    cache (never the per-user default under /tmp)."""
+    return AdapterStore(
+        settings.resolved_adapter_store(),
+        cache_dir=settings.resolved_adapter_cache_dir(),
+        cache_max_bytes=settings.adapter_cache_mb * 2**20,
+    )
 
 
 def build_services(
@@ -43,7 +58,13 @@ def build_services(
     secret = settings.resolved_key_secret()
     outbox = Outbox(settings.data_dir / "outbox.sqlite")
     delivery = UsageDelivery(outbox, metering or DatabaseSink(session_factory))
-    store = AdapterStore(settings.resolved_adapter_store())
+    store = adapter_store(settings)
+    # The ingress writes to the store: a store that would let two uploads overwrite each other is found
+    # now, and said so in the log, instead of on the first upload.
+    try:
+        store.check_writes()
+    except AdapterStoreUnavailable as error:  # asked again on the first upload
+        log.warning("could not check the adapter store for uploads at start: %s", error)
     # What uploads killed mid-way left behind; nothing else ever removes it.
     store.cleanup_tmp(settings.leftover_max_age_s)
     remove_stale(settings.data_dir / UPLOADS_DIR, settings.leftover_max_age_s)

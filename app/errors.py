@@ -16,7 +16,13 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound, AdapterStoreUnavailable
+from adapters.errors import (
+    AdapterError,
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterStoreUnavailable,
+    AdapterStoreUnsafe,
+)
 from app.limits import Decision, InvalidTokenCount, LimiterUnavailable, Limits
 from billing.errors import (
     ApiKeyNotFound,
@@ -254,6 +260,13 @@ def to_api_error(error: Exception) -> APIError:
         )
     if isinstance(error, AdapterNotFound):
         return APIError(404, str(error), param="model", code="model_not_found")
+    if isinstance(error, AdapterStoreUnsafe):  # not transient: no retry-after; the reason is in the log
+        log.error("adapter upload refused: %s", error)
+        message = (
+            "Adapter uploads are disabled: the adapter store does not refuse a second create of one object, "
+            "so concurrent uploads could overwrite each other. The server log says more."
+        )
+        return APIError(503, message, type="server_error", code="adapter_uploads_disabled")
     if isinstance(
         error, AdapterStoreUnavailable
     ):  # where and why stay in the log (the URL is the operator's)

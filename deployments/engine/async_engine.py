@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from adapters.ref import AdapterRef
+from adapters.registered_digest import DigestSource
 from deployments.engine.config import EngineConfig
 from deployments.engine.errors import DuplicateRequestId, EngineError, EngineOverloaded, EngineStopped
 from deployments.engine.llm_engine import LLMEngine
@@ -43,9 +44,16 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, replica_name: str | None = None
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        replica_name: str | None = None,
+        adapter_digests: DigestSource | None = None,
     ) -> None:
-        self.engine = LLMEngine(config, loaded=loaded, replica_name=replica_name)
+        self.engine = LLMEngine(
+            config, loaded=loaded, replica_name=replica_name, adapter_digests=adapter_digests
+        )
         self.engine.adapters.on_loaded = self._wake
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from adapters.registered_digest import DigestSource
 from adapters.store import AdapterStore
 from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
@@ -45,8 +46,14 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, replica_name: str | None = None
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        replica_name: str | None = None,
+        adapter_digests: DigestSource | None = None,
     ) -> None:
+        """`adapter_digests`: the registry's, to check adapters read from an object store against."""
         self.config = config
         self.loaded = loaded or load_model(config)
         m = self.loaded
@@ -79,6 +86,7 @@ class LLMEngine:
                 config.adapter_store,
                 cache_dir=config.adapter_cache_dir,
                 cache_max_bytes=config.adapter_cache_mb * 2**20,
+                digests=adapter_digests,
             ),
             m.lora_modules,
             max_loras=m.max_loras,

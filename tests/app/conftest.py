@@ -22,6 +22,8 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.services import Services
 from app.settings import Settings
+from billing.adapter_digests import RegistryDigests
+from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
@@ -120,7 +122,8 @@ def serving(
             block_size=4,
             max_num_seqs=16,
             max_num_batched_tokens=128,
-        )
+        ),
+        adapter_digests=RegistryDigests(make_session_factory(make_engine(url))),  # as on a replica
     )
     specs = {MODEL: BaseModelSpec(llama.model_dir)}
     services = build_services(settings, LocalEngineClient({MODEL: engine}), specs)
