@@ -82,17 +82,17 @@ class Choices:
             return (
                 self.shape.logprobs is not None
                 or self._chars >= HEAVY_CHARS
-                or self._openings() >= HEAVY_BLOCKS
+                or self._openings(["".join(c.text) for c in self._choices.values()]) >= HEAVY_BLOCKS
             )
         if self.shape.logprobs is not None and out.prompt_logprobs is not None:
             return True
-        return self._piece_chars(out) >= HEAVY_CHARS
+        return self._piece_chars(out) >= HEAVY_CHARS or self._openings([out.text]) >= HEAVY_BLOCKS
 
-    def _openings(self) -> int:
-        """Tool-call openings in the whole output (only called below HEAVY_CHARS: a cheap count)."""
+    def _openings(self, texts: list[str]) -> int:
+        """Tool-call openings to parse in `texts` (only counted below HEAVY_CHARS: cheap)."""
         if self.kind != "chat" or not self.shape.tool_names:
             return 0
-        return sum("".join(c.text).count(BEGIN) for c in self._choices.values())
+        return sum(text.count(BEGIN) for text in texts)
 
     def _piece_chars(self, out: RequestOutput) -> int:
         """Characters of text the stream piece for `out` carries."""

@@ -229,6 +229,10 @@ def test_a_response_is_heavy_past_its_bounds_of_openings_and_characters(llama: T
     assert not heavy(BEGIN * HEAVY_BLOCKS, frozenset())  # no tools: nothing to parse
     assert not heavy("x" * (HEAVY_CHARS - 1), frozenset())
     assert heavy("x" * HEAVY_CHARS, frozenset())
+    stream = Choices("chat", Shape(tool_names=NAMES), [[1]], texts)
+    call = f'{BEGIN}{{"name": "get_time", "arguments": {{}}}}{END}'
+    assert not stream.heavy(RequestOutput(request_id="r", text=call * (HEAVY_BLOCKS - 1)))
+    assert stream.heavy(RequestOutput(request_id="r", text=call * HEAVY_BLOCKS))  # a piece of many calls
 
 
 # -- the template -------------------------------------------------------------------------------------
