@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adapters.store import store_location
 from app.private_files import publish_secret
+from app.schemas.openai import MAX_PROMPTS
 from billing.db import PoolConfig
 from deployments.engine.interface import MAX_N
 
@@ -115,7 +116,10 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(
         default=1_000_000,
         ge=1,
-        description="Most characters of prompt text (all messages together) one request may send.",
+        description=(
+            "Most characters of prompt text (all messages, or all prompts, together) one request may send; "
+            "a prompt sent as token ids counts each id as one character."
+        ),
     )
     max_n: int = Field(
         default=8,
@@ -126,7 +130,7 @@ class Settings(BaseSettings):
     max_prompts: int = Field(
         default=64,
         ge=1,
-        le=4096,
+        le=MAX_PROMPTS,
         description=(
             "Most prompts in one /v1/completions request (`prompt` as a list); each runs n choices, all "
             "in one engine request."
