@@ -8,9 +8,12 @@ A pure ASGI middleware (BaseHTTPMiddleware buffers and breaks streaming). It als
 that escaped the routes into the OpenAI 500 shape, because Starlette's own last-resort handler sits
 outside the middleware stack and would drop the header. It binds both ids to the log context, so every log
 line of the request carries them, and logs one "client disconnected" line for a client that left before
-its response was complete (mid-body or mid-stream): an ordinary event, never a traceback.
+its response was complete (mid-body or mid-stream), however the server reports it: an `http.disconnect`
+message, Starlette's ClientDisconnect, or the handler cancelled (Ray Serve's way). An ordinary event,
+never a traceback.
 """
 
+import asyncio
 import logging
 import re
 import uuid
@@ -76,6 +79,9 @@ class RequestContextMiddleware:
             await self.app(scope, receive_watching, send_with_id)
         except ClientDisconnect:  # the client went away mid-request: nobody to answer
             client_gone()
+        except asyncio.CancelledError:
+            client_gone()
+            raise
         except Exception as error:
             if started:  # mid-stream: the body already began; nothing left to do but log
                 log.exception("error after the response started (request %s)", request_id)

@@ -4,7 +4,8 @@ When an HTTP client disconnects, Serve's proxy cancels the ingress's request, an
 raises TaskCancelledError instead of returning `http.disconnect`. Starlette's streaming responses listen
 on `receive` while they stream, so each normal disconnect surfaced as an error traceback mid-response.
 Returned as `http.disconnect`, it ends the response the way any disconnect does: the stream's cleanup
-stops and bills the engine request, and app/middleware.py logs one ordinary "client disconnected" line.
+stops and bills the engine request, and app/middleware.py logs one ordinary "client disconnected" line
+(as it does when Serve cancels the handler first, the other way the same disconnect arrives).
 """
 
 from ray.exceptions import TaskCancelledError
