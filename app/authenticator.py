@@ -4,8 +4,8 @@ Revocation, expiry and tenant disabling take effect within `ttl` seconds on ever
 database refused are cached for the same `ttl` (a negative cache), so a key created a moment after someone
 tried it also works within `ttl`; a repeated bogus key costs one lookup per `ttl`, and a client whose
 lookups keep failing is throttled (app/auth_failures.py: per address and key prefix) before it reaches the
-database again. Concurrent
-requests with the same uncached key share one lookup, so a burst of one key is one query, not one per request.
+database again. Concurrent requests with the same uncached key share one lookup, so a burst of one key is
+one query, not one per request.
 """
 
 import asyncio
