@@ -5,6 +5,7 @@ import logging
 from adapters.errors import AdapterStoreUnavailable
 from adapters.store import AdapterStore, remove_stale
 from app.adapter_resolver import AdapterResolver
+from app.admin_auth import AdminAuth
 from app.auth_failures import FailureThrottle
 from app.authenticator import Authenticator
 from app.catalog import BaseModelSpec, ModelCatalog
@@ -77,10 +78,13 @@ def build_services(
             secret,
             ttl=settings.auth_cache_ttl_s,
             failures=FailureThrottle(
-                limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s
+                limit=settings.auth_failure_limit,
+                per_key_limit=settings.auth_failure_limit_per_key,
+                window_s=settings.auth_failure_window_s,
             ),
             key_usage=KeyUsageRecorder(session_factory, interval_s=settings.key_last_used_interval_s),
         ),
+        admin_auth=AdminAuth(settings),
         catalog=ModelCatalog.from_specs(models),
         engine=engine,
         adapters=AdapterResolver(session_factory, ttl=settings.adapter_cache_ttl_s),

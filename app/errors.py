@@ -204,10 +204,10 @@ def _retry_after(seconds: float) -> dict[str, str]:
 
 
 class TooManyFailedAuthentications(APIError):
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float, credential: str = "API keys") -> None:
         # Says nothing about any key: only that this client has failed too often.
         message = (
-            "Too many requests with invalid API keys from this client. Please try again in "
+            f"Too many requests with invalid {credential} from this client. Please try again in "
             f"{math.ceil(retry_after_s)}s."
         )
         super().__init__(
@@ -225,10 +225,10 @@ class ReadRateLimited(APIError):
 
 
 class NotReady(APIError):
-    def __init__(self, details: str) -> None:
-        super().__init__(
-            503, f"Not ready: {details}", type="server_error", code="not_ready", headers={"retry-after": "1"}
-        )
+    def __init__(self, details: str | None) -> None:
+        """`details`: the failed checks, where this listener names them."""
+        message = f"Not ready: {details}" if details else "Not ready."
+        super().__init__(503, message, type="server_error", code="not_ready", headers={"retry-after": "1"})
 
 
 def to_api_error(error: Exception) -> APIError:

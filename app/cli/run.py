@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 import yaml
+from pydantic import ValidationError
 
 from app.cli.common import fail
 from app.private_files import publish_secret
@@ -69,7 +70,10 @@ def up(
 
     if not config.exists():
         fail(f"{config} not found", code=2, hint="run from the repository root or pass --config")
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # e.g. a LORAPLEX_ADMIN_KEY under 32 bytes: refused before anything runs
+        fail(f"invalid LORAPLEX_* setting: {exc}", code=2)
     typer.echo("preparing: database migrations, demo model and adapters (first run builds them)...")
     try:
         demo = prepare(settings, config)

@@ -31,7 +31,7 @@ from deployments.engine.interface import LocalEngineClient
 from deployments.registry_watcher import RegistryWatcher
 from tests.model_fixtures import TinySetup
 
-ADMIN_KEY = "admin-test-key"
+ADMIN_KEY = "admin-test-key-0123456789abcdefghijklmn"  # 32 bytes at least
 MODEL = "tiny-llama"
 
 
@@ -106,6 +106,7 @@ def serving(
         data_dir=data_dir,
         database_url=url,
         admin_key=ADMIN_KEY,
+        admin_auth_failure_limit=1_000_000,  # many tests probe wrong admin keys; test_admin_auth throttles
         auth_cache_ttl_s=0.2,
         adapter_cache_ttl_s=0.2,
         adapter_store=store or llama.store_root,
