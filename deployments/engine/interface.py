@@ -25,6 +25,8 @@ from deployments.engine.errors import (
     InvalidSamplingParams,
     PromptTooLong,
     ReplicaLost,
+    RequestError,
+    RequestFailed,
 )
 from deployments.engine.outputs import (
     EngineStats,
@@ -113,6 +115,8 @@ __all__ = [
     "LocalEngineClient",
     "PromptTooLong",
     "ReplicaLost",
+    "RequestError",
+    "RequestFailed",
     "RequestOutput",
     "RequestUsage",
     "SamplingParams",

@@ -10,6 +10,7 @@ When KV blocks run out, the newest running sequences are preempted (their blocks
 from the prefix cache), and they go back to the front of the queue so nobody starves.
 """
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,8 +18,11 @@ from dataclasses import dataclass, field
 from adapters.errors import AdapterError
 from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
+from deployments.engine.errors import RequestFailed
 from deployments.engine.outputs import FinishReason
 from deployments.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -150,9 +154,12 @@ class Scheduler:
                 try:
                     slot = self.adapters.acquire(seq.adapter)
                 except AdapterError as error:  # the adapter failed to load: this request cannot be served
-                    seq.error = str(error)
-                    self.finish(seq, FinishReason.ERROR)
-                    out.failed.append(seq)
+                    log.warning("request %s: adapter %s: %s", seq.group_id, seq.adapter, error)
+                    self._refuse(seq, error, out)
+                    continue
+                except Exception:  # a bug in the adapter tiers: fail this request, never the loop
+                    log.exception("request %s: acquiring adapter %s failed", seq.group_id, seq.adapter)
+                    self._refuse(seq, RequestFailed(), out)
                     continue
                 if slot is None and not overdue_served and self._overdue(seq):
                     slot = self._take_slot(seq, out)
@@ -177,6 +184,11 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+
+    def _refuse(self, seq: Sequence, error: AdapterError | RequestFailed, out: SchedulerOutput) -> None:
+        seq.error = error
+        self.finish(seq, FinishReason.ERROR)
+        out.failed.append(seq)
 
     def _overdue(self, seq: Sequence) -> bool:
         bound = self.adapter_wait_bound_s
