@@ -116,8 +116,8 @@ class AsyncEngine:
         waits for it. Raises the adapter's named error."""
         adapters = self.engine.adapters
         spec = adapters.specs.cached(ref)
-        if spec is None:
-            spec = await asyncio.wrap_future(adapters.specs.fetch(ref))
+        if spec is None:  # shielded: this caller leaving must not cancel a read others share
+            spec = await asyncio.shield(asyncio.wrap_future(adapters.specs.fetch(ref)))
         adapters.check_spec(spec)
 
     async def _compile(self, spec: StructuredOutput) -> "CompiledGrammar":

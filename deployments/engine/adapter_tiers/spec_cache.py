@@ -39,7 +39,7 @@ class AdapterSpecs:
                 done.set_result(spec)
                 return done
             pending = self._reading.get(ref)
-            if pending is None:
+            if pending is None or pending.cancelled():  # a cancelled read never runs: start another
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="adapter-spec")
                 pending = self._pool.submit(self._read, ref)
