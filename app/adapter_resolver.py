@@ -19,7 +19,7 @@ from billing import adapter_registry
 class AdapterResolver:
     def __init__(self, session_factory: Callable[[], Session], *, ttl: float) -> None:
         self._sessions = session_factory
-        self._ttl = ttl
+        self.ttl = ttl  # how long a name -> version answer is reused
         self._cache: dict[tuple[str, str], tuple[float, tuple[str, AdapterRef] | None]] = {}
 
     async def resolve(self, principal: Principal, model: str) -> tuple[str, AdapterRef] | None:
@@ -31,8 +31,14 @@ class AdapterResolver:
         found = await run_in_threadpool(self._lookup, principal.tenant_id, model)
         if len(self._cache) > 100_000:
             self._cache.clear()
-        self._cache[key] = (now + self._ttl, found)
+        self._cache[key] = (now + self.ttl, found)
         return found
+
+    async def recheck(self, principal: Principal, model: str) -> tuple[str, AdapterRef] | None:
+        """`resolve` from the registry itself, past the cache (an engine just failed to find the version
+        the cache named); the answer replaces the cached one."""
+        self._cache.pop((principal.tenant_id, model), None)
+        return await self.resolve(principal, model)
 
     def invalidate(self) -> None:
         """Forget everything (this replica just changed the registry)."""

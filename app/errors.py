@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from adapters.errors import (
     AdapterError,
     AdapterInvalid,
+    AdapterLoadFailed,
     AdapterNotFound,
     AdapterStoreUnavailable,
     AdapterStoreUnsafe,
@@ -41,6 +42,7 @@ from deployments.engine.interface import (
     PromptTooLong,
     QueueShareExceeded,
     ReplicaLost,
+    RequestFailed,
 )
 
 log = logging.getLogger(__name__)
@@ -191,8 +193,9 @@ class BodyTooLarge(APIError):
 
 
 class GenerationFailed(APIError):
-    def __init__(self, reason: str | None) -> None:
-        message = f"The model failed while generating: {reason}"
+    def __init__(self) -> None:
+        # Why stays in the engine's log under the request id: exception text is not the tenant's business.
+        message = "The model failed while generating this response; please retry."
         super().__init__(500, message, type="server_error", code="generation_failed")
 
 
@@ -258,7 +261,10 @@ def to_api_error(error: Exception) -> APIError:
         return APIError(
             503, message, type="server_error", code="engine_unavailable", headers={"retry-after": "1"}
         )
-    if isinstance(error, AdapterNotFound):
+    if isinstance(error, RequestFailed):
+        log.warning("generation failed: %s", error)
+        return GenerationFailed()
+    if isinstance(error, AdapterNotFound):  # tenants get ModelNotFound instead (app/generation.py)
         return APIError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, AdapterStoreUnsafe):  # not transient: no retry-after; the reason is in the log
         log.error("adapter upload refused: %s", error)
@@ -267,6 +273,12 @@ def to_api_error(error: Exception) -> APIError:
             "so concurrent uploads could overwrite each other. The server log says more."
         )
         return APIError(503, message, type="server_error", code="adapter_uploads_disabled")
+    if isinstance(error, AdapterLoadFailed):
+        # A registered adapter the engine cannot read (its files vanished or broke, the store failed it):
+        # the platform's fault, and the engine tries the load again after a backoff.
+        log.warning("adapter unavailable: %s", error)  # which version and why: the operator's
+        message = "The model is temporarily unavailable; please retry shortly."
+        return APIError(503, message, type="server_error", code="model_unavailable", headers=_retry_after(5))
     if isinstance(
         error, AdapterStoreUnavailable
     ):  # where and why stay in the log (the URL is the operator's)
@@ -276,6 +288,10 @@ def to_api_error(error: Exception) -> APIError:
             503, message, type="server_error", code="adapter_store_unavailable", headers={"retry-after": "5"}
         )
     if isinstance(error, AdapterInvalid):
+        # Also an engine's answer for a registered adapter it cannot serve: a rank above its max_lora_rank
+        # (an operator lowered it), an option or target it does not support. Those are properties of the
+        # adapter that no retry changes and a new upload does, so 400 naming them (never a 5xx, which
+        # clients retry); the problems name the adapter's config, not ids or paths.
         return APIError(400, str(error), code="invalid_adapter")
     if isinstance(error, TenantNotFound | ApiKeyNotFound):
         return APIError(404, str(error), code="not_found")

@@ -21,13 +21,14 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from adapters.errors import AdapterLoadFailed, AdapterNotFound
 from app import log_context, request_metrics
 from app.admission import Admission, concurrency_limit
 from app.authenticator import Principal
 from app.choices import Choices, Shape
 from app.closing_stream_response import ClosingStreamingResponse
 from app.engine_stream import EngineStream, uncancellable
-from app.errors import GenerationFailed, InvalidParameter, TooManySequences, to_api_error
+from app.errors import InvalidParameter, ModelNotFound, TooManySequences, to_api_error
 from app.metering.request_record import RequestRecord, RequestStatus
 from app.schemas.openai import (
     ChatChoice,
@@ -47,6 +48,7 @@ from deployments.engine.interface import (
     FinishReason,
     PromptTooLong,
     ReplicaLost,
+    RequestFailed,
     RequestOutput,
     RequestUsage,
     SamplingParams,
@@ -179,6 +181,8 @@ class Generation:
         outputs = self._engine_outputs()
         try:
             first = await anext(outputs)  # engine-side validation errors surface here, before any status
+            if first.finish_reason is FinishReason.ERROR:  # failed before its first token (its adapter
+                raise first.error or RequestFailed()  # could not be loaded): a status, not a 200 stream
         except BaseException as error:
             if not isinstance(error, Exception):  # cancelled: the client left before the first token
                 await uncancellable(self.close("aborted"))
@@ -186,7 +190,7 @@ class Generation:
             await uncancellable(self.close("failed"))  # billed only if an engine had accepted it
             if isinstance(error, PromptTooLong) and self.kind == "chat":
                 error = error.for_param("messages")
-            api_error = to_api_error(error)  # the admission's headers ride on the error response too
+            api_error = to_api_error(await self._explained(error))  # the admission's headers ride on it
             api_error.headers = {**self.admission.headers(), **api_error.headers}
             raise api_error from None
         headers = self.admission.headers()
@@ -198,6 +202,23 @@ class Generation:
                 on_close=lambda: self.close("aborted"),  # a no-op when the stream ended by itself
             )
         return await self._collect(first, outputs, headers, choices)
+
+    async def _explained(self, error: Exception) -> Exception:
+        """The engine found no stored version of this request's adapter: deleted since the ingress resolved
+        its name (cached for a moment), so the model is gone (404); or the registry still lists it and the
+        store lost its files, which is the platform's fault (503, logged). The registry decides, afresh."""
+        ref = self.target.adapter
+        if not isinstance(error, AdapterNotFound) or ref is None:
+            return error
+        try:
+            gone = await self.services.adapters.recheck(self.principal, self.target.name) is None
+        except Exception:  # the registry is unreachable: the platform's trouble either way
+            log.exception("rechecking adapter %s in the registry failed", ref)
+            gone = False
+        if gone:
+            return ModelNotFound(self.target.name)
+        log.warning("adapter %s is registered but its engine cannot find it: %s", ref, error)
+        return AdapterLoadFailed(str(ref), "the registry lists it but the store does not hold it")
 
     async def _engine_outputs(self) -> AsyncGenerator[RequestOutput, None]:
         """This request's engine outputs, with the platform's one replica failover: when the replica
@@ -324,8 +345,8 @@ class Generation:
             raise
         if failed is not None:
             await uncancellable(self.close("failed"))
-            error = GenerationFailed(failed.error)
-            error.headers = headers
+            error = to_api_error(await self._explained(failed.error or RequestFailed()))
+            error.headers = {**headers, **error.headers}
             raise error
         await uncancellable(self.close("completed"))
         if choices.heavy():
@@ -365,7 +386,7 @@ class Generation:
                 self.streamed_tokens += len(out.token_ids)
                 if out.finish_reason is FinishReason.ERROR:
                     status = "failed"
-                    yield _event(GenerationFailed(out.error).body())
+                    yield _event(to_api_error(out.error or RequestFailed()).body())
                     return
                 if choices.heavy(out):
                     events = await run_in_threadpool(self._events, created, choices, out)

@@ -41,6 +41,16 @@ ADAPTER_DISK_LOADS = Counter(
     "Adapter reads from the store, per adapter version.",
     (*TAGS, "adapter"),
 )
+ADAPTER_LOAD_FAILURES = Counter(
+    "loraplex_engine_adapter_load_failures",
+    "Failed loads of an adapter version into CPU memory (store down, files missing or corrupt).",
+    (*TAGS, "adapter"),
+)
+ADAPTER_LOAD_RETRIES = Counter(
+    "loraplex_engine_adapter_load_retries",
+    "Loads of an adapter version tried again after its backoff from a failure.",
+    (*TAGS, "adapter"),
+)
 ABORTS = Counter("loraplex_engine_aborts", "Requests aborted (their caller left) before finishing.", TAGS)
 GENERATED_TOKENS = Counter("loraplex_engine_generated_tokens", "Output tokens sampled.", TAGS)
 PREEMPTIONS = Counter("loraplex_engine_preemptions", "Sequences preempted for KV cache space.", TAGS)
@@ -90,9 +100,14 @@ class EngineMetrics:
         ABORTS.inc(tags, stats.aborts - (last.aborts if last else 0))
         GENERATED_TOKENS.inc(tags, stats.generated_tokens - (last.generated_tokens if last else 0))
         BUSY_SECONDS.inc(tags, stats.busy_seconds - (last.busy_seconds if last else 0.0))
-        before = last.adapter_disk_loads if last else {}
-        for ref, reads in stats.adapter_disk_loads.items():
-            ADAPTER_DISK_LOADS.inc({**tags, "adapter": ref}, reads - before.get(ref, 0))
+        per_adapter = (
+            (ADAPTER_DISK_LOADS, stats.adapter_disk_loads, last.adapter_disk_loads if last else {}),
+            (ADAPTER_LOAD_FAILURES, stats.adapter_load_failures, last.adapter_load_failures if last else {}),
+            (ADAPTER_LOAD_RETRIES, stats.adapter_load_retries, last.adapter_load_retries if last else {}),
+        )
+        for counter, now, before in per_adapter:
+            for ref, count in now.items():
+                counter.inc({**tags, "adapter": ref}, count - before.get(ref, 0))
         refused_before = last.grammar_refusals if last else {}
         for reason, refused in stats.grammar_refusals.items():
             GRAMMAR_REFUSALS.inc({**tags, "reason": reason}, refused - refused_before.get(reason, 0))

@@ -6,6 +6,10 @@ that loop thread alone: callers on other threads hand it jobs through an inbox (
 adapter operations), and read its load and residency from a snapshot the loop publishes after every
 iteration (`stats`). Outputs come back through per-request asyncio queues on the caller's loop. Leaving
 `generate()` early (client disconnect, cancellation) aborts the request, so no generation is orphaned.
+
+The loop thread never waits on the adapter store: a request's adapter config is read (and cached) before
+the request is queued, on a thread of its own, and weights load on the adapter tiers' threads. Whatever
+goes wrong for one request, on any thread, ends that request with a named error and never the loop.
 """
 
 import asyncio
@@ -20,7 +24,13 @@ from typing import TYPE_CHECKING, TypeVar
 from adapters.ref import AdapterRef
 from adapters.registered_digest import DigestSource
 from deployments.engine.config import EngineConfig
-from deployments.engine.errors import DuplicateRequestId, EngineError, EngineOverloaded, EngineStopped
+from deployments.engine.errors import (
+    DuplicateRequestId,
+    EngineOverloaded,
+    EngineStopped,
+    RequestError,
+    RequestFailed,
+)
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
@@ -88,6 +98,8 @@ class AsyncEngine:
         if request.params.structured is not None:  # compiled before queueing: a bad schema is refused here
             grammar = await self._compile(request.params.structured, request.tenant)
             self.engine.attach_grammar(seqs, grammar)
+        if request.adapter is not None:  # checked before queueing: an unservable adapter is refused here
+            await self._check_adapter(request.adapter)
         if request_id in self._streams:
             raise DuplicateRequestId(request_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -107,6 +119,16 @@ class AsyncEngine:
         finally:
             if not finished:  # the caller went away: stop generating for it
                 self._submit(lambda: void(self._abort(request_id)))
+
+    async def _check_adapter(self, ref: AdapterRef) -> None:
+        """Whether this engine can serve `ref`: its config comes from the spec cache, or is read from the
+        store on the spec reader's threads (shared by concurrent requests for it); this request alone
+        waits for it. Raises the adapter's named error."""
+        adapters = self.engine.adapters
+        spec = adapters.specs.cached(ref)
+        if spec is None:  # shielded: this caller leaving must not cancel a read others share
+            spec = await asyncio.shield(asyncio.wrap_future(adapters.specs.fetch(ref)))
+        adapters.check_spec(spec)
 
     async def _compile(self, spec: StructuredOutput, tenant: str | None) -> "CompiledGrammar":
         """The grammar of `spec`, compiled on a grammar thread, never the loop thread: a request waits only
@@ -249,13 +271,27 @@ class AsyncEngine:
             return
         try:
             self.engine.add_sequences(seqs)
-        except EngineError as error:  # refused (overloaded, unknown adapter): the caller raises it
+        except Exception as error:  # refused (overloaded) or broken: only this request ends
+            refusal: RequestError
+            if isinstance(error, RequestError):
+                refusal = error
+            else:
+                log.exception("request %s: queueing it failed", request_id)
+                self._forget(request_id)
+                refusal = RequestFailed()
             del self._streams[request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, refusal)
             return
         if announce:
             accepted = RequestOutput(request_id, "", usage=self.engine.usage_of(seqs), accepted=True)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, accepted)
+
+    def _forget(self, request_id: str) -> None:
+        """Take out whatever part of a request its failed queueing left in the engine."""
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("request %s: cleaning up after it failed", request_id)
 
     def _abort(self, request_id: str) -> bool:
         outputs = self.engine.abort(request_id)
@@ -288,7 +324,10 @@ class AsyncEngine:
                 job = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            job()
+            try:
+                job()
+            except Exception:  # one job's failure (an abort, an adapter operation) is not the loop's
+                log.exception("engine loop job failed")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}

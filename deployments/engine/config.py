@@ -132,6 +132,18 @@ class EngineConfig(BaseModel):
             "for busy slots to drain. 0 turns it off (slots only drain)."
         ),
     )
+    adapter_retry_s: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "After an adapter version fails to load (store down, files missing or corrupt), requests for it "
+            "fail at once for this long; then the next one loads it again. Doubles with each further "
+            "failure, up to adapter_retry_max_s."
+        ),
+    )
+    adapter_retry_max_s: float = Field(
+        default=30.0, gt=0, description="The longest backoff between loads of a version that keeps failing."
+    )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes.")
     seed: int = Field(default=0, description="Seed of the generator used by requests without their own.")
     grammar_compile_timeout_s: float = Field(
@@ -170,6 +182,11 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if not self.lora_target_modules:
             raise ValueError("lora_target_modules must not be empty")
+        if self.adapter_retry_max_s < self.adapter_retry_s:
+            raise ValueError(
+                f"adapter_retry_max_s ({self.adapter_retry_max_s}) must be >= adapter_retry_s "
+                f"({self.adapter_retry_s})"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -1,6 +1,6 @@
 """Engine domain errors. app/errors.py alone turns them into HTTP responses."""
 
-from adapters.errors import DomainError
+from adapters.errors import AdapterError, DomainError
 
 
 class EngineError(DomainError):
@@ -49,6 +49,19 @@ class DuplicateRequestId(InvalidRequest):
 
 class EngineStopped(EngineError):
     """The engine loop is not running (shut down, or it failed)."""
+
+
+class RequestFailed(EngineError):
+    """The engine could not finish this request (its step, its sampling or its bookkeeping failed) and
+    goes on serving the others. Why is in the engine's log under the request id, never in this error: it
+    reaches the tenant."""
+
+    def __init__(self, what: str = "the engine failed while serving this request") -> None:
+        super().__init__(what)
+
+
+# What ends a request that the engine had accepted (RequestOutput.error): its own failure, or its adapter's.
+RequestError = EngineError | AdapterError
 
 
 class EngineOverloaded(EngineError):

@@ -26,6 +26,8 @@ from deployments.engine.errors import (
     PromptTooLong,
     QueueShareExceeded,
     ReplicaLost,
+    RequestError,
+    RequestFailed,
 )
 from deployments.engine.outputs import (
     EngineStats,
@@ -116,6 +118,8 @@ __all__ = [
     "PromptTooLong",
     "QueueShareExceeded",
     "ReplicaLost",
+    "RequestError",
+    "RequestFailed",
     "RequestOutput",
     "RequestUsage",
     "SamplingParams",

@@ -1,7 +1,9 @@
 """LLMEngine: the synchronous core. `step()` = schedule -> run -> sample -> postprocess.
 
 Not thread-safe by itself: one thread drives `step()` (see AsyncEngine). `make_sequence` only validates
-and may run on any thread, so callers get named errors before anything is queued.
+and may run on any thread, and so may `adapters.check` (which reads the store), so callers get named errors
+before anything is queued. A failure while serving one request (its step, its sampling, its adapter) ends
+that request with a named error (RequestError); the cause goes to the log with the request id.
 """
 
 import logging
@@ -26,6 +28,8 @@ from deployments.engine.errors import (
     InvalidRequest,
     PromptTooLong,
     QueueShareExceeded,
+    RequestError,
+    RequestFailed,
 )
 from deployments.engine.kv_cache import KVCache
 from deployments.engine.logprobs import prompt_positions, token_logprobs
@@ -94,6 +98,8 @@ class LLMEngine:
             max_rank=config.max_lora_rank,
             dtype=m.dtype,
             device=m.device,
+            retry_s=config.adapter_retry_s,
+            retry_max_s=config.adapter_retry_max_s,
         )
         # Logits rows at prompt positions (echo): float32 logits and their log-softmax, vocab-wide each.
         self.prompt_logprob_row_bytes = self.vocab_size * 2 * torch.float32.itemsize
@@ -218,7 +224,8 @@ class LLMEngine:
             seq.matcher = grammar.matcher()
 
     def add_sequences(self, seqs: list[Sequence]) -> None:
-        """Queue one request's sequences; raises a named error if the engine cannot take it now."""
+        """Queue one request's sequences; raises a named error if the engine cannot take it now. The
+        caller has checked their adapter (`adapters.check`, off the loop thread: it reads the store)."""
         group_id = seqs[0].group_id
         if group_id in self._requests:
             raise DuplicateRequestId(group_id)
@@ -237,7 +244,6 @@ class LLMEngine:
             )
         adapter = seqs[0].adapter
         if adapter is not None:
-            self.adapters.check(adapter)
             self.adapter_requests += 1  # routing quality: did the request find its adapter already here?
             self.adapter_arrival_hits += adapter in self.adapters.held()
         self._requests[group_id] = seqs
@@ -251,10 +257,13 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def add_request(self, request: EngineRequest) -> None:
-        """Validate and queue a request on this thread (compiling its grammar here, if it has one)."""
+        """Validate and queue a request on this thread (compiling its grammar and reading its adapter's
+        config here, if it has them)."""
         seqs = self.make_sequences(request)
         if request.params.structured is not None:
             self.attach_grammar(seqs, self.grammars.compile(request.params.structured))
+        if request.adapter is not None:
+            self.adapters.check(request.adapter)
         self.add_sequences(seqs)
 
     def group(self, request_id: str) -> list[Sequence]:
@@ -285,7 +294,7 @@ class LLMEngine:
         self.last_step_tokens = plan.num_tokens
         outputs: list[RequestOutput] = []
         for seq in plan.failed:
-            outputs += self._fail_group(seq, seq.error or "failed")
+            outputs += self._fail_group(seq, seq.error or RequestFailed())
         if not plan.scheduled:
             return outputs
         sampling = [s for s in plan.scheduled if s.draws]
@@ -299,9 +308,10 @@ class LLMEngine:
             tokens, logprobs = self._sample(logits, sampling)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        except Exception as error:  # keep serving: fail this step's requests, not the engine
-            log.exception("engine step failed")
-            return outputs + self._fail(plan.scheduled, f"engine step failed: {error}")
+        except Exception:  # keep serving: fail this step's requests, not the engine
+            ids = sorted({s.seq.group_id for s in plan.scheduled})
+            log.exception("engine step failed; failing its requests %s", ", ".join(ids))
+            return outputs + self._fail(plan.scheduled, RequestFailed("the engine step failed"))
         elapsed = time.perf_counter() - start
         self._account(plan.scheduled, elapsed)
         broken = {id(item) for item, token in zip(sampling, tokens, strict=True) if isinstance(token, str)}
@@ -315,9 +325,14 @@ class LLMEngine:
             if item.seq.is_finished:  # a choice failed earlier in this loop took its group with it
                 continue
             if isinstance(token, str):  # only the request whose row could not be sampled fails
-                outputs += self._fail([item], f"sampling failed: {token}")
-            else:
+                log.warning("request %s: sampling failed: %s", item.seq.group_id, token)
+                outputs += self._fail([item], RequestFailed("sampling failed"))
+                continue
+            try:
                 outputs.append(self._append_token(item.seq, token, logprob))
+            except Exception:  # its detokenizer or stop check broke: fail this request, not the batch
+                log.exception("request %s: taking its sampled token failed", item.seq.group_id)
+                outputs += self._fail([item], RequestFailed())
         for seq in prompt_only:  # they end with their prompt
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
@@ -533,19 +548,19 @@ class LLMEngine:
             replica=self.replica_name,
         )
 
-    def _fail(self, scheduled: list[ScheduledSequence], message: str) -> list[RequestOutput]:
+    def _fail(self, scheduled: list[ScheduledSequence], error: RequestError) -> list[RequestOutput]:
         outputs = []
         for item in scheduled:
             if not item.seq.is_finished:
-                outputs += self._fail_group(item.seq, message)
+                outputs += self._fail_group(item.seq, error)
         return outputs
 
-    def _fail_group(self, failed: Sequence, message: str) -> list[RequestOutput]:
+    def _fail_group(self, failed: Sequence, error: RequestError) -> list[RequestOutput]:
         """A choice that fails fails its whole request: every choice still running ends with the error."""
         outputs = []
         for seq in self._requests.get(failed.group_id, [failed]):
             if seq is failed or not seq.is_finished:
-                seq.error = message
+                seq.error = error
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.ERROR)
                 outputs.append(self._final(seq, ""))
@@ -576,6 +591,8 @@ class LLMEngine:
             prefill_tokens=self.prefill_tokens,
             adapter_disk_loads=dict(self.adapters.disk_loads),
             grammar_refusals=self._grammars.refusals() if self._grammars is not None else {},
+            adapter_load_failures=dict(self.adapters.cpu.load_failures),
+            adapter_load_retries=dict(self.adapters.cpu.load_retries),
         )
 
     def close(self) -> None:

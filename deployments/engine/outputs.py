@@ -3,6 +3,8 @@
 import enum
 from dataclasses import dataclass, field
 
+from deployments.engine.errors import RequestError
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
@@ -50,7 +52,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     usage: RequestUsage | None = None  # so far on every output; final on the finished one
-    error: str | None = None  # set when finish_reason is ERROR
+    # Set when finish_reason is ERROR: a named error (an adapter that could not be loaded, RequestFailed),
+    # which the ingress maps to its status; details of the cause stay in the engine's log.
+    error: RequestError | None = None
     accepted: bool = False  # the announcement that the engine queued it (EngineRequest.announce): no tokens
     index: int = 0  # the choice: prompt number * n + choice number
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
@@ -84,3 +88,5 @@ class EngineStats:
     # Structured-output requests refused since start, by reason: "schema" (it cannot be enforced),
     # "timeout" (its compile passed the bound, or did so recently) or "busy" (no grammar thread in time).
     grammar_refusals: dict[str, int] = field(default_factory=dict)
+    adapter_load_failures: dict[str, int] = field(default_factory=dict)  # ref -> failed loads
+    adapter_load_retries: dict[str, int] = field(default_factory=dict)  # ref -> loads tried after a failure

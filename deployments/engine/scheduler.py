@@ -12,6 +12,7 @@ When KV blocks run out, the newest running sequences are preempted (their blocks
 from the prefix cache), and they go back to the front of the queue so nobody starves.
 """
 
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -19,9 +20,12 @@ from dataclasses import dataclass, field
 from adapters.errors import AdapterError
 from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
+from deployments.engine.errors import RequestFailed
 from deployments.engine.logprobs import prompt_positions
 from deployments.engine.outputs import FinishReason
 from deployments.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -179,9 +183,12 @@ class Scheduler:
                 try:
                     slot = self.adapters.acquire(seq.adapter)
                 except AdapterError as error:  # the adapter failed to load: this request cannot be served
-                    seq.error = str(error)
-                    self.finish(seq, FinishReason.ERROR)
-                    out.failed.append(seq)
+                    log.warning("request %s: adapter %s: %s", seq.group_id, seq.adapter, error)
+                    self._refuse(seq, error, out)
+                    continue
+                except Exception:  # a bug in the adapter tiers: fail this request, never the loop
+                    log.exception("request %s: acquiring adapter %s failed", seq.group_id, seq.adapter)
+                    self._refuse(seq, RequestFailed(), out)
                     continue
                 if slot is None and not overdue_served and self._overdue(seq):
                     slot = self._take_slot(seq, out)
@@ -207,6 +214,11 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
             rows -= len(prompt_positions(seq, seq.num_computed, n))
+
+    def _refuse(self, seq: Sequence, error: AdapterError | RequestFailed, out: SchedulerOutput) -> None:
+        seq.error = error
+        self.finish(seq, FinishReason.ERROR)
+        out.failed.append(seq)
 
     def _overdue(self, seq: Sequence) -> bool:
         bound = self.adapter_wait_bound_s

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from adapters.ref import AdapterRef
+from deployments.engine.errors import RequestError
 from deployments.engine.outputs import FinishReason, TokenLogprob
 from deployments.engine.sampling_params import SamplingParams
 
@@ -59,7 +60,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    error: str | None = None
+    error: RequestError | None = None  # why it finished with FinishReason.ERROR
     metrics: SequenceMetrics = field(default_factory=lambda: SequenceMetrics(arrival=time.monotonic()))
     group_id: str = ""  # the EngineRequest's id; defaults to request_id
     index: int = 0  # the choice number within the group (prompt number * n + choice)

@@ -1,19 +1,24 @@
-"""Adapters through HTTP: upload (archive or two files), use at once, versions, isolation, pin, delete."""
+"""Adapters through HTTP: upload (archive or two files), use at once, versions, isolation, pin, delete, and
+what a tenant hears when the engine cannot find an adapter's files."""
 
 import io
+import shutil
 import tarfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
+from sqlalchemy.orm import Session
 
 from adapters.ref import AdapterRef
 from app.schemas.openai import ChatMessage
+from billing import adapter_registry
 from tests.app.conftest import MODEL, Served
 from tests.engine.reference import PeftReference
 
@@ -180,6 +185,64 @@ def test_delete_makes_it_unservable_at_once_and_frees_it_on_the_engine(served: S
         served, "gone", tenant_id, served.setup.adapter_dirs["demo-sql"]
     )  # name is free again
     assert again.status_code == 201 and again.json()["id"] != created["id"]
+
+
+def register_without_files(sessions: Callable[[], Session], name: str, owner: str, base_model: str) -> str:
+    """A version the registry lists and the store does not hold: what an adapter looks like once its stored
+    files vanished. Registered directly, so that no engine could have read it before (an upload is
+    prefetched by the registry watcher at once)."""
+    with sessions() as session, session.begin():
+        adapter = adapter_registry.create_adapter(session, name=name, owner=owner, base_model=base_model)
+        adapter_registry.add_version(
+            session, adapter=adapter, version=1, rank=8, target_modules=["q_proj"], sha256="0" * 64,
+            size_bytes=1,
+        )  # fmt: skip
+        return adapter.id
+
+
+def assert_tenant_error(response: httpx.Response, status: int, code: str) -> dict[str, str]:
+    """An OpenAI-shaped error with `status` and `code` that names no internal id, path or exception."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, error
+    assert not any(leak in error["message"] for leak in ("ad_", "@v", "/", "Error")), error
+    if status == 503:
+        assert int(response.headers["retry-after"]) >= 1
+    return dict(error)
+
+
+def test_an_adapter_the_engine_cannot_find_is_a_503_while_registered_and_a_404_once_deleted(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ingress routes a request with the version its cache names; the engine has no files for it. The
+    registry decides: still registered, the platform lost its files (503, retry); deleted since, the
+    model is gone (404). Before, both were a 500 quoting the engine's `adapter 'ad_...@v1' does not
+    exist`."""
+    monkeypatch.setattr(served.services.adapters, "ttl", 60.0)  # the ingress keeps naming the version
+    tenant_id, key = served.new_tenant(f"lost-{uuid.uuid4().hex[:8]}")
+    headers = {"authorization": f"Bearer {key}"}
+    register_without_files(served.services.session_factory, "vanished", tenant_id, MODEL)
+    body = {"model": "vanished", "prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=served.url, headers=headers, timeout=30) as http:
+        for stream in (False, True):  # a stream too gets its status before any event
+            answer = http.post("/v1/completions", json={**body, "stream": stream})
+            assert_tenant_error(answer, 503, "model_unavailable")
+
+        created = upload_files(served, "doomed", tenant_id, served.setup.adapter_dirs["demo-sql"]).json()
+        client = OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+        greedy(client, "doomed")  # the ingress caches doomed -> its version
+        # Another ingress replica deletes it (this one's cache is not told); the engine drops it.
+        with served.services.session_factory() as session, session.begin():
+            adapter_registry.delete_adapter(session, adapter_id=created["id"])
+        shutil.rmtree(served.services.store.root / created["id"])
+        ref = str(AdapterRef(created["id"], 1))
+        wait_until(
+            lambda: ref not in [*served.engine.stats().cpu_adapters, *served.engine.stats().device_adapters]
+        )
+        gone = http.post("/v1/completions", json={**body, "model": "doomed"})
+        error = assert_tenant_error(gone, 404, "model_not_found")
+        assert "doomed" in error["message"]  # the name the tenant used, and nothing else
+    assert served.engine.running
 
 
 def test_pin_keeps_it_in_a_device_slot(served: Served) -> None:

@@ -172,12 +172,20 @@ def test_a_failed_request_is_counted_under_its_adapter(served: Served) -> None:
     tenant_id, key = served.new_tenant(f"obs-f-{uuid.uuid4().hex[:8]}")
     adapter_id = upload(served, "obs-fragile", tenant_id, served.setup.adapter_dirs["demo-sql"])
     (served.services.store.root / adapter_id / "v1" / "adapter_model.safetensors").write_bytes(b"broken")
-    failed = complete(served, key, model="obs-fragile")
-    assert failed.status_code == 500 and failed.json()["error"]["code"] == "generation_failed"
+    failed = complete(served, key, model="obs-fragile")  # its stored weights broke: the platform's fault
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_unavailable"
     tags = {"tenant": tenant_id, "model": "obs-fragile", "base_model": MODEL}
     wait_for(lambda: MEMORY.value("loraplex_requests", **tags) == 1)
     assert MEMORY.value("loraplex_requests", **tags, status="failed") == 1
     assert MEMORY.value("loraplex_limiter_rejections", tenant=tenant_id) == 0
+    # The engine counts the failed load under the version (exported under a tag of its own here: the
+    # engine counters of MODEL belong to the test below).
+    EngineMetrics(served.engine, base_model="obs-fragile-engine").export_once()
+    ref = f"{adapter_id}@v1"
+    failures = served.engine.stats().adapter_load_failures[ref]
+    assert failures >= 1
+    tags = {"base_model": "obs-fragile-engine", "adapter": ref}
+    assert MEMORY.value("loraplex_engine_adapter_load_failures", **tags) == failures
 
 
 def test_a_request_refused_as_invalid(served: Served) -> None:

@@ -133,7 +133,7 @@ def test_concurrency_limit_and_the_lease_is_freed_on_every_end(served: Served) -
         made = admin.post("/admin/adapters", data={"name": "fragile", "owner": tenant_id}, files=files).json()
     (served.services.store.root / made["id"] / "v1" / "adapter_model.safetensors").write_bytes(b"broken")
     failed = complete(served, key, model="fragile")
-    assert failed.status_code == 500 and failed.json()["error"]["code"] == "generation_failed"
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_unavailable"
     assert leases(served, tenant_id) == 0
     assert complete(served, key).status_code == 200
 

@@ -1,4 +1,5 @@
-"""CpuAdapterCache: background loads, failed-load memory, LRU capacity with pins, removal, counters."""
+"""CpuAdapterCache: background loads, failed loads retried after a backoff, LRU capacity with pins, removal,
+counters."""
 
 import threading
 from collections import Counter
@@ -79,12 +80,27 @@ def loader() -> FakeLoader:
     return FakeLoader()
 
 
+class FakeClock:
+    """The cache's clock for backoffs: moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def make_cache(loader: FakeLoader) -> Iterator[MakeCache]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_cache(loader: FakeLoader, clock: FakeClock) -> Iterator[MakeCache]:
     caches: list[CpuAdapterCache] = []
 
-    def make(capacity: int = 4, max_workers: int = 2) -> CpuAdapterCache:
-        cache = CpuAdapterCache(loader, capacity=capacity, max_workers=max_workers)
+    def make(capacity: int = 4, max_workers: int = 2, **backoff: float) -> CpuAdapterCache:
+        cache = CpuAdapterCache(loader, capacity=capacity, max_workers=max_workers, clock=clock, **backoff)
         caches.append(cache)
         return cache
 
@@ -141,30 +157,58 @@ def test_prefetch_twice_loads_once(make_cache: MakeCache, loader: FakeLoader) ->
     assert cache.loads == 1
 
 
-def test_a_failed_load_is_raised_by_get_and_retried_by_the_next_prefetch(
-    make_cache: MakeCache, loader: FakeLoader
+def test_a_failed_load_is_raised_during_its_backoff_and_retried_after_it(
+    make_cache: MakeCache, loader: FakeLoader, clock: FakeClock
 ) -> None:
-    cache = make_cache()
+    cache = make_cache(retry_s=2.0, retry_max_s=60.0)
     error = ValueError("corrupt adapter")
     loader.errors[A] = error
     future = pending(cache, A)
     with pytest.raises(ValueError, match="corrupt adapter"):
         future.result(timeout=WAIT)
-    for _ in range(2):  # remembered, not raised once and forgotten
+    clock.now += 1.9  # within the backoff: remembered, raised at once, and no load is started
+    for _ in range(2):
         with pytest.raises(ValueError, match="corrupt adapter") as raised:
             cache.get(A)
         assert raised.value is error
-    assert cache.loading() == []
-    assert cache.resident() == []
+    assert cache.prefetch(A) is None and not cache.needs_load(A)
+    assert cache.loading() == [] and cache.resident() == []
+    assert loader.calls[A] == 1
+    assert (cache.load_failures[str(A)], cache.load_retries[str(A)]) == (1, 0)
+
+    clock.now += 0.1  # the backoff is over: the error no longer applies, the next prefetch loads again
+    assert cache.get(A) is None and cache.needs_load(A)
     del loader.errors[A]
     gate = loader.hold(A)
     retry = cache.prefetch(A)
-    assert retry is not None
-    assert retry is not future
-    assert cache.get(A) is None  # the retry is pending: the old error no longer applies
+    assert retry is not None and retry is not future
+    assert cache.get(A) is None  # the retry is pending
     gate.set()
     assert retry.result(timeout=WAIT) is cache.get(A)
     assert loader.calls[A] == 2
+    assert (cache.load_failures[str(A)], cache.load_retries[str(A)]) == (1, 1)
+
+
+def test_the_backoff_doubles_per_failure_up_to_its_bound_and_resets_on_success(
+    make_cache: MakeCache, loader: FakeLoader, clock: FakeClock
+) -> None:
+    cache = make_cache(capacity=1, retry_s=1.0, retry_max_s=3.0)
+    loader.errors[A] = OSError("store down")
+    for backoff in (1.0, 2.0, 3.0, 3.0):  # 1, 2, 4 -> bounded at 3
+        with pytest.raises(OSError, match="store down"):
+            pending(cache, A).result(timeout=WAIT)
+        clock.now += backoff - 0.01
+        assert cache.prefetch(A) is None, f"retried before its backoff of {backoff} s"
+        clock.now += 0.01
+    assert (cache.load_failures[str(A)], cache.load_retries[str(A)]) == (4, 3)
+    del loader.errors[A]
+    load(cache, A)  # the store is back
+    load(cache, B)  # A is evicted (capacity 1)
+    loader.errors[A] = OSError("down again")
+    with pytest.raises(OSError, match="down again"):
+        pending(cache, A).result(timeout=WAIT)
+    clock.now += 1.0  # the success reset the count: the first backoff again
+    assert cache.prefetch(A) is not None
 
 
 def test_a_failed_load_only_affects_its_own_ref(make_cache: MakeCache, loader: FakeLoader) -> None:
@@ -365,4 +409,4 @@ def test_needs_load_is_false_while_resident_loading_or_failed(
     loader.errors[B] = RuntimeError("corrupt")
     with pytest.raises(RuntimeError):
         pending(cache, B).result(timeout=WAIT)
-    assert not cache.needs_load(B)  # failed: only an explicit prefetch retries it
+    assert not cache.needs_load(B)  # failed: not before its backoff is over

@@ -1,9 +1,12 @@
 """A whole engine step that fails (the forward pass raises) fails the requests in that step, frees what
-they held, and the engine serves the next request as if nothing happened."""
+they held, and the engine serves the next request as if nothing happened. The requests end with a named
+error that says nothing of the cause; the cause is logged with their ids."""
+
+import logging
 
 import pytest
 
-from deployments.engine.interface import EngineRequest, FinishReason, SamplingParams
+from deployments.engine.interface import EngineRequest, FinishReason, RequestFailed, SamplingParams
 from tests.engine.helpers import drain, make_engine, preload, tokens
 from tests.model_fixtures import TinySetup
 
@@ -11,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def test_a_failed_forward_pass_fails_its_step_and_the_engine_goes_on(
-    llama: TinySetup, monkeypatch: pytest.MonkeyPatch
+    llama: TinySetup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = make_engine(llama)
     preload(engine, llama)  # both requests are scheduled in the first step
@@ -25,11 +28,14 @@ def test_a_failed_forward_pass_fails_its_step_and_the_engine_goes_on(
     monkeypatch.setattr(engine.runner, "run", broken_once)
     engine.add_request(EngineRequest("a", [1, 2, 3], GREEDY))
     engine.add_request(EngineRequest("b", [4, 5, 6], GREEDY, llama.refs["demo-sql"]))
-    outputs = {out.request_id: out for out in engine.step()}
+    with caplog.at_level(logging.ERROR, logger="deployments.engine.llm_engine"):
+        outputs = {out.request_id: out for out in engine.step()}
     assert set(outputs) == {"a", "b"}
     for out in outputs.values():
         assert out.finished and out.finish_reason is FinishReason.ERROR
-        assert out.error is not None and "device fell over" in out.error
+        assert isinstance(out.error, RequestFailed) and "device fell over" not in str(out.error)
+    [logged] = [r for r in caplog.records if r.exc_info]
+    assert "a, b" in logged.getMessage() and "device fell over" in (logged.exc_text or "")
     stats = engine.stats()
     assert stats.running == stats.waiting == 0 and stats.kv_usage == 0.0 and stats.free_slots == 4
 

@@ -9,6 +9,10 @@ and are kept there; a slot to evict or drain is chosen by queued demand, so a po
 thrown out for a cold one while others would do. Several slots may drain at once when several cold
 adapters wait, but a slot whose adapter has requests queued drains only when no other slot is draining:
 that keeps the one-drain progress guarantee without thrashing hot adapters.
+
+Nothing here that runs on the engine loop thread touches the store: `check` (a version's config, read once
+and cached by AdapterSpecs) runs before a request is queued, on a thread of its own, and weights are read
+by the CPU tier's loader threads. A store that is slow or down stalls only the requests that need it.
 """
 
 import logging
@@ -27,11 +31,12 @@ from adapters.errors import (
     AdapterRankTooLarge,
 )
 from adapters.ref import AdapterRef
-from adapters.spec import AdapterSpec
+from adapters.spec import AdapterSpec, read_adapter_config
 from adapters.store import AdapterStore
 from adapters.weights import AdapterWeights, load_adapter_weights
 from deployments.engine.adapter_tiers.cpu_cache import CpuAdapterCache
 from deployments.engine.adapter_tiers.slot_table import SlotTable
+from deployments.engine.adapter_tiers.spec_cache import AdapterSpecs
 from deployments.engine.lora_layers import MultiLoRALinear, load_adapter_into_slot
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,8 @@ class AdapterManager:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        retry_s: float = 1.0,
+        retry_max_s: float = 30.0,
     ) -> None:
         self.store = store
         self._modules = lora_modules
@@ -55,9 +62,11 @@ class AdapterManager:
         self.max_rank = max_rank
         self._dtype = dtype
         self._device = device
-        self._specs: dict[AdapterRef, AdapterSpec] = {}
+        self.specs = AdapterSpecs(self._read_spec)
         self.slots = SlotTable(max_loras)
-        self.cpu = CpuAdapterCache(self._load, capacity=max_cpu_loras)
+        self.cpu = CpuAdapterCache(
+            self._load, capacity=max_cpu_loras, retry_s=retry_s, retry_max_s=retry_max_s
+        )
         self.on_loaded: Callable[[], None] = lambda: None  # the engine loop's wake-up
         self.activation_seconds = 0.0  # time spent writing adapters into slots
         self.disk_loads: Counter[str] = Counter()  # ref -> store reads (a ref read twice was evicted between)
@@ -67,19 +76,36 @@ class AdapterManager:
         self._lookahead: frozenset[AdapterRef] | None = None  # what the CPU tier should hold next (plan)
 
     def check(self, ref: AdapterRef) -> AdapterSpec:
-        """Raise a named error if `ref` cannot be served here (missing, rank too large, unsupported)."""
-        spec = self._specs.get(ref)
-        if spec is None:
-            if not self.store.exists(ref):
-                raise AdapterNotFound(str(ref))
-            spec = AdapterSpec.from_dir(self.store.config_dir(ref))
-            self._specs[ref] = spec
+        """Raise a named error if `ref` cannot be served here (missing, unreadable, rank too large,
+        unsupported). Reads the store the first time: never call it on the engine loop thread."""
+        spec = self.specs.read(ref)
+        self.check_spec(spec)
+        return spec
+
+    def check_spec(self, spec: AdapterSpec) -> None:
+        """Whether this engine can serve an adapter of this config (no I/O)."""
         if spec.max_rank > self.max_rank:
             raise AdapterRankTooLarge(spec.max_rank, self.max_rank)
         unknown = sorted(set(spec.target_modules) - self._targets)
         if unknown:
             raise AdapterInvalid([f"target modules {unknown} are not LoRA targets of this engine"])
-        return spec
+
+    def _read_spec(self, ref: AdapterRef) -> AdapterSpec:
+        """A version's config from the store (AdapterSpecs' reader: on its threads). The store's own
+        answers pass through (not found, unavailable); a stored config that cannot be read is the stored
+        files' fault (uploads validated it), while a config that reads but that this engine cannot serve
+        is the adapter's (AdapterInvalid)."""
+        if not self.store.exists(ref):
+            raise AdapterNotFound(str(ref))
+        try:
+            config = read_adapter_config(self.store.config_dir(ref))
+        except AdapterInvalid as error:  # missing, or not JSON: the stored version is damaged
+            raise AdapterLoadFailed(str(ref), f"its stored config is unreadable: {error}") from None
+        except AdapterError:
+            raise
+        except Exception as error:  # an OS error reading the files (permissions, a vanished mount)
+            raise AdapterLoadFailed(str(ref), f"its stored config is unreadable: {error!r}") from error
+        return AdapterSpec.from_config_dict(config)
 
     def acquire(self, ref: AdapterRef) -> int | None:
         """A device slot holding `ref` (its user count raised), or None if the caller must wait."""
@@ -105,7 +131,13 @@ class AdapterManager:
                 )
             return None
         start = time.perf_counter()
-        load_adapter_into_slot(self._modules, slot, weights)
+        try:
+            load_adapter_into_slot(self._modules, slot, weights)
+        except Exception as error:  # the slot holds a half-written adapter: free it, fail this version
+            self.slots.discard(slot)
+            failed = AdapterLoadFailed(str(ref), f"writing it into a device slot failed: {error!r}")
+            self.cpu.fail(ref, failed)
+            raise failed from error
         self.activation_seconds += time.perf_counter() - start
         self.slots.acquire(slot)
         return slot
@@ -170,13 +202,14 @@ class AdapterManager:
         return 0 if ref is None else self._demand[ref]
 
     def prefetch(self, ref: AdapterRef) -> Future[AdapterWeights] | None:
-        """Start loading `ref` into CPU memory; returns the pending load (None if already resident)."""
-        self.check(ref)
+        """Start loading `ref` into CPU memory; returns the pending load (None if already resident, or if
+        its last load failed and its backoff lasts). The load checks the version on its own thread: the
+        future raises what `check` would."""
         return self._prefetch(ref)
 
     def pin(self, ref: AdapterRef) -> None:
-        """Keep `ref` in a device slot for good; it is loaded by the next request or acquire."""
-        self.check(ref)
+        """Keep `ref` in a device slot for good; it is loaded by the next request or acquire (a version
+        that fails to load is unpinned by `load_pinned`, and the registry watcher pins it again)."""
         if len(self.slots.pinned) + 1 >= self.slots.num_slots:
             raise AdapterInvalid(
                 [f"cannot pin more than {self.slots.num_slots - 1} adapters (max_loras - 1)"]
@@ -193,8 +226,7 @@ class AdapterManager:
         """Drop every version from memory; running requests finish on the version they hold."""
         self.slots.remove(adapter_id)
         self.cpu.remove(adapter_id)
-        for ref in [r for r in self._specs if r.adapter_id == adapter_id]:
-            del self._specs[ref]
+        self.specs.forget(adapter_id)
 
     def load_pinned(self) -> None:
         """Bring pinned adapters whose weights are ready into slots (called between steps)."""
@@ -214,7 +246,7 @@ class AdapterManager:
         """Bring the tiers in line with the registry: every adapter this manager knows whose id is not
         `live` is dropped (running requests finish on what they hold), exactly `pinned` is pinned, and
         `prefetch` starts loading. A ref that cannot be pinned or loaded any more is logged and skipped."""
-        known = self.held() | self.slots.pinned | self._specs.keys()
+        known = self.held() | self.slots.pinned | self.specs.known()
         for adapter_id in {ref.adapter_id for ref in known} - live:
             log.info("adapter %s is gone from the registry: dropping it", adapter_id)
             self.remove(adapter_id)
@@ -238,6 +270,7 @@ class AdapterManager:
 
     def close(self) -> None:
         self.cpu.close()
+        self.specs.close()
 
     def _prefetch(self, ref: AdapterRef) -> Future[AdapterWeights] | None:
         future = self.cpu.prefetch(ref)

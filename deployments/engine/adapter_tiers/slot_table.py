@@ -73,6 +73,11 @@ class SlotTable:
         self.loads += 1
         return slot
 
+    def discard(self, slot: int) -> None:
+        """Free a slot just claimed whose adapter could not be written into it (it has no users yet)."""
+        assert self._users[slot] == 0, f"slot {slot} is in use"
+        self._evict(slot)
+
     def drainable(self) -> list[int]:
         """Busy, unpinned slots not draining yet."""
         return [
