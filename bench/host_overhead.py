@@ -106,9 +106,10 @@ def decode_round(
         clock.step()
         if engine.last_step_tokens != len(refs):  # the last step finishes everyone: not a steady step
             break
+    means = clock.means_ms()  # before draining: those steps are not timed
     while engine.has_unfinished():
         engine.step()
-    return clock.means_ms()
+    return means
 
 
 def ops_per_step(engine: LLMEngine, refs: list[AdapterRef | None]) -> int:
