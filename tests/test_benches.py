@@ -50,6 +50,8 @@ BENCHES = {
         "ratio_default_vs_cold",
         "cached_tokens_exact",
     },
+    "host_overhead": {"step_ms", "lora_vs_base", "phases_ms", "torch_ops_per_step"},
+    "gpu_check": {"env", "correctness", "host"},
     "multi_tenant": {
         "throughput_vs_resident",
         "ttft_p99_vs_resident",

@@ -120,13 +120,22 @@ class LLMEngine:
         self.adapter_arrival_hits = 0
         self.aborts = 0  # requests stopped by abort() while still running or waiting
         self.generated_tokens = 0  # every output token sampled, aborted requests' included
+        # Where the device memory goes: what the operator sizes with kv_cache_memory_mb and lora_memory_mb,
+        # plus what the engine adds itself (step buffers, captured decode graphs).
+        self.memory_plan = {
+            "weights": m.weights_bytes,
+            "kv_cache": self.kv_cache.nbytes,
+            "lora_slots": m.lora_slot_bytes,
+            "step_buffers": self.runner.step_buffer_bytes,
+            "decode_graphs": self.runner.graph_pool_bytes,
+        }
         log.info(
-            "engine ready: %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, LoRA kernel %s",
+            "engine ready: %d KV blocks x %d tokens, max_model_len %d, LoRA kernel %s; memory (MiB): %s",
             num_blocks,
             config.block_size,
-            self.kv_cache.nbytes / 2**20,
             self.max_model_len,
             m.lora_context.kernel_name,
+            ", ".join(f"{k} {v / 2**20:.1f}" for k, v in self.memory_plan.items()),
         )
 
     # -- requests -------------------------------------------------------------------------------------

@@ -64,7 +64,11 @@ class ModelRunner:
             self.forward = HFForward(loaded.model)
         self.graphs: DecodeGraphs | None = None
         if cuda and cuda_graphs and isinstance(self.forward, DecoderForward):
-            self.graphs = DecodeGraphs(self.forward, self.inputs, with_lora=bool(loaded.lora_modules))
+            try:
+                self.graphs = DecodeGraphs(self.forward, self.inputs, with_lora=bool(loaded.lora_modules))
+            except Exception:  # e.g. a quantized kernel that cannot be captured: serve eagerly instead
+                log.exception("capturing the decode graphs failed; decode steps run eagerly")
+                torch.cuda.synchronize(self.device)
         log.info(
             "forward %s (%s), decode %s",
             self.forward.name,
@@ -75,6 +79,10 @@ class ModelRunner:
     @property
     def graph_pool_bytes(self) -> int:
         return 0 if self.graphs is None else self.graphs.pool_bytes
+
+    @property
+    def step_buffer_bytes(self) -> int:
+        return self.inputs.nbytes
 
     def run(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Forward one step; returns logits [N, V] (float32): per scheduled sequence in order, the rows of

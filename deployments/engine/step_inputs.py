@@ -83,6 +83,12 @@ class StepInputsBuilder:
         self._bucket_views: dict[int, StepInputs] = {}
         self.pad_cpu_buckets = False  # tests pad CPU decode steps too, to exercise the padded rows
 
+    @property
+    def nbytes(self) -> int:
+        """Host and device buffers together (the memory plan counts them)."""
+        buffers = {id(b): b for b in (self._host, self._general, self._bucket)}
+        return sum(b.nbytes for b in buffers.values())
+
     # -- decode buckets -------------------------------------------------------------------------------
 
     def _bucket_size(self, b: int) -> int:

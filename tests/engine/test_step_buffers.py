@@ -1,4 +1,4 @@
-"""The decode buffer path (fixed per-bucket views, padded rows, the path CUDA graphs replay) gives exactly what
+"""The decode buffer path (fixed per-bucket views, padded rows: what CUDA graphs replay) gives exactly what
 the general path gives, and the forward reads nothing back to the host.
 
 Runs on every machine: the CPU runs the same views and the same forward, only without graph capture.
