@@ -59,7 +59,7 @@ def correctness(device: str, *, tiny: bool = False) -> dict[str, Any]:
 
     from adapters.demo_adapters import build_demo_adapters
     from adapters.store import AdapterStore
-    from app.modelprep.demo_model import build_model
+    from app.modelprep.demo_model import Arch, build_model
     from deployments.engine.config import EngineConfig
     from deployments.engine.interface import EngineRequest, SamplingParams
     from deployments.engine.llm_engine import LLMEngine
@@ -71,7 +71,8 @@ def correctness(device: str, *, tiny: bool = False) -> dict[str, Any]:
     arrivals = script()  # 5 adapters and the base, arriving at different steps, chunked prefill, preemption
     if tiny:
         arrivals = arrivals[:3]
-    for arch in ("llama",) if tiny else ("llama", "qwen2", "mistral"):
+    archs: tuple[Arch, ...] = ("llama",) if tiny else ("llama", "qwen2", "mistral")
+    for arch in archs:
         model_dir = build_model(root / arch / "model", arch=arch, preset="tiny")
         adapter_dirs = build_demo_adapters(model_dir, root / arch / "adapters")
         store_root = root / arch / "store"
