@@ -1,0 +1,560 @@
+"""The Triton kernels of deployments/engine/gpu_kernels against plain-torch and HF references.
+
+Without a CUDA device the kernels run on CPU tensors through Triton's interpreter: TRITON_INTERPRET must be
+set before Triton is first imported (it picks the interpreter when it decorates a kernel, its own tl.sum
+included), which tests/triton_interpreter.py does from tests/conftest.py. With CUDA the same cases run
+compiled (the `gpu` variants) and the interpreter variants skip. Without Triton every kernel test skips.
+
+The interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest), and it has no libdevice, so
+where a kernel promises HF's bits, the interpreter is held to them in fp32/fp16 and to an ulp in bf16, and
+CUDA to the bits in every dtype. Shapes are small: the interpreter runs each program in Python.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.modelprep.awq_export import quantize_linear_weight
+from deployments.engine.gpu_kernels.activation import silu_and_mul
+from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
+from deployments.engine.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
+from deployments.engine.gpu_kernels.paged_attention import (
+    _attend_kernel,
+    num_partitions,
+    paged_decode_attention,
+)
+from deployments.engine.gpu_kernels.rms_norm import rms_norm
+from deployments.engine.gpu_kernels.rotary_cache import rotary_and_cache, rotary_table
+from deployments.engine.lora_kernels import LoRABatch, loop_kernel
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(CUDA, reason="with CUDA the kernels run compiled (gpu)")
+        ),
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
+    ]
+)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    triton = pytest.importorskip("triton")
+    interpreted = [type(f).__name__ == "InterpretedFunction" for f in (triton.language.sum, _attend_kernel)]
+    if request.param == "cpu" and not all(interpreted):
+        pytest.fail("Triton was imported before TRITON_INTERPRET was set (tests/triton_interpreter.py)")
+    return torch.device(request.param)
+
+
+def randn(
+    *shape: int, dtype: torch.dtype, device: torch.device, seed: int, scale: float = 1.0
+) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def assert_within_ulps(
+    got: torch.Tensor, want: torch.Tensor, ulps: float, unit: torch.dtype | None = None
+) -> None:
+    """Every element within `ulps` units in the last place of `unit` (default want's dtype); 0: same bits."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if ulps == 0:
+        diff = (got != want).sum().item()
+        assert diff == 0, f"{diff} of {want.numel()} elements differ; max {(got - want).abs().max().item()}"
+        return
+    info = torch.finfo(unit or want.dtype)
+    tol = ulps * info.eps * want.float().abs().clamp_min(info.tiny)
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= tol).all()), f"max error {err.max().item()} over {ulps} ulps"
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """fp32 softmax attention per sequence over the slots its table names (GQA by repeating kv heads)."""
+    batch, heads, _ = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for b in range(batch):
+        ctx = int(lens[b])
+        pos = torch.arange(ctx)
+        if window is not None:
+            pos = pos[pos >= ctx - window]
+        if len(pos) == 0:
+            continue
+        slots = tables[b].cpu()[pos // block_size].long() * block_size + pos % block_size
+        k = k_cache.cpu()[slots].float().repeat_interleave(group, 1)  # [n, H, D]
+        v = v_cache.cpu()[slots].float().repeat_interleave(group, 1)
+        probs = (torch.einsum("hd,nhd->hn", q[b].cpu().float(), k) * scale).softmax(-1)
+        out[b] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    block_size: int
+    kv_heads: int
+    group: int
+    dim: int
+    dtype: torch.dtype
+    lens: tuple[int, ...]
+    width: int  # blocks per table row
+    window: int | None
+
+
+ATTENTION_CASES = {
+    # ragged: an empty context, one token, exactly full blocks (16 = 4 blocks of 4), a partial block
+    "bs4-G4-D64-fp32": AttentionCase(4, 2, 4, 64, torch.float32, (0, 1, 16, 23), 6, None),
+    "bs1-G1-D16-fp16-window": AttentionCase(1, 2, 1, 16, torch.float16, (5, 0, 19), 20, 4),
+    "bs16-G8-D128-fp16-window": AttentionCase(16, 1, 8, 128, torch.float16, (32, 40), 3, 20),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=list(ATTENTION_CASES))
+def test_paged_decode_attention_matches_the_reference(case: str, device: torch.device) -> None:
+    c = ATTENTION_CASES[case]
+    bs, kv, dim, dtype, width = c.block_size, c.kv_heads, c.dim, c.dtype, c.width
+    heads, batch = kv * c.group, len(c.lens)
+    num_blocks = 2 * width * batch
+    # q is a view into a fused qkv output, out a view with a row stride: both as the engine hands them.
+    qkv = randn(batch, (heads + 2 * kv) * dim, dtype=dtype, device=device, seed=1)
+    q = qkv[:, : heads * dim].view(batch, heads, dim)
+    k_cache = randn(num_blocks * bs, kv, dim, dtype=dtype, device=device, seed=2)
+    v_cache = randn(num_blocks * bs, kv, dim, dtype=dtype, device=device, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width).int().to(device)
+    lens = torch.tensor(c.lens, dtype=torch.int32, device=device)
+    scale = dim**-0.5
+    want = reference_attention(q, k_cache, v_cache, tables, lens, bs, scale, c.window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for parts in (1, 3):  # 3: split-K with a combine, some partitions empty for the short contexts
+        out_buffer = torch.full((batch, heads, dim + 8), 9.0, dtype=dtype, device=device)
+        out = out_buffer[:, :, :dim]
+        got = paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, block_size=bs, scale=scale, sliding_window=c.window,
+            out=out, partitions=parts, block_n=16,
+        )  # fmt: skip
+        assert got.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol, msg=f"partitions={parts}")
+        assert bool((out_buffer[:, :, dim:] == 9.0).all())  # nothing written past the view
+
+
+def test_paged_attention_splits_long_tables_by_shape_alone(device: torch.device) -> None:
+    """Few programs and a wide table: the default splits (2 partitions of 256 positions here); the count
+    depends on shapes only, and the result is the same as unsplit."""
+    assert num_partitions(1, 2, 512, torch.device("cpu")) == 2
+    assert num_partitions(256, 8, 8192, torch.device("cpu")) == 1  # enough programs already
+    bs, dim, width = 16, 16, 32
+    q = randn(1, 2, dim, dtype=torch.float32, device=device, seed=5)
+    k_cache = randn(width * bs, 2, dim, dtype=torch.float32, device=device, seed=6)
+    v_cache = randn(width * bs, 2, dim, dtype=torch.float32, device=device, seed=7)
+    tables = torch.arange(width, dtype=torch.int32, device=device).flip(0)[None]
+    lens = torch.tensor([300], dtype=torch.int32, device=device)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size=bs, scale=0.25)
+    want = reference_attention(q, k_cache, v_cache, tables, lens, bs, 0.25, None)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- rotary and cache
+
+
+ROTARY_CASES = [(torch.float32, 16), (torch.float16, 64), (torch.bfloat16, 128)]
+
+
+@pytest.mark.parametrize(("dtype", "dim"), ROTARY_CASES, ids=[f"{d}-D{n}" for d, n in ROTARY_CASES])
+def test_rotary_and_cache_is_hf_llama_bit_for_bit(dtype: torch.dtype, dim: int, device: torch.device) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    tokens, heads, kv, max_pos = 6, 4, 2, 64
+    config = LlamaConfig(
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=max_pos,
+    )
+    rotary = LlamaRotaryEmbedding(config).to(device)
+    probe = torch.zeros(1, dtype=dtype, device=device)
+    cos, sin = rotary(probe, torch.arange(max_pos, device=device)[None])
+    table = rotary_table(cos, sin)
+
+    qkv = randn(tokens, (heads + 2 * kv) * dim, dtype=dtype, device=device, seed=8, scale=3.0)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv) * dim].view(tokens, kv, dim)
+    v = qkv[:, (heads + kv) * dim :].view(tokens, kv, dim)
+    positions = torch.tensor([0, 3, 17, 63, 5, 9], device=device)
+    slots = torch.tensor([4, -1, 0, 7, 2, -1], device=device)  # -1: padding, not written
+    k_cache = torch.full((8, kv, dim), 5.0, dtype=dtype, device=device)
+    v_cache = torch.full((8, kv, dim), 5.0, dtype=dtype, device=device)
+    # HF at the same positions, in [1, heads, T, D] as the model calls it.
+    q_hf, k_hf = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, positions], sin[:, positions]
+    )
+    q_want, k_want, v_want = q_hf[0].transpose(0, 1), k_hf[0].transpose(0, 1), v.clone()
+
+    rotary_and_cache(q, k, v, table, positions, slots, k_cache, v_cache)
+
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        # The interpreter truncates where the GPU rounds, at each of three roundings, and the sum can
+        # cancel: bounded by ulps of the operands, not of the result.
+        atol = 3 * 2**-7 * max(q_want.abs().max().item(), k_want.abs().max().item())
+        torch.testing.assert_close(q, q_want, atol=atol, rtol=0)
+        torch.testing.assert_close(k, k_want, atol=atol, rtol=0)
+    else:
+        assert_within_ulps(q, q_want, 0)
+        assert_within_ulps(k, k_want, 0)
+    assert torch.equal(v, v_want)
+    written = [(t, int(s)) for t, s in enumerate(slots.tolist()) if s >= 0]
+    for t, s in written:
+        assert torch.equal(k_cache[s], k[t]) and torch.equal(v_cache[s], v[t])
+    untouched = sorted(set(range(8)) - {s for _, s in written})
+    assert bool((k_cache[untouched] == 5.0).all()) and bool((v_cache[untouched] == 5.0).all())
+
+
+# ------------------------------------------------------------------------------------------- rms norm
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype"),
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+     (torch.bfloat16, torch.float32)],
+)  # fmt: skip
+def test_rms_norm_matches_hf_llama(
+    dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device
+) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rows, hidden, eps = 5, 96, 1e-5  # hidden not a power of 2: a masked tail
+    norm = LlamaRMSNorm(hidden, eps=eps).to(device=device, dtype=weight_dtype)
+    norm.weight.data = randn(hidden, dtype=weight_dtype, device=device, seed=9)
+    x_buffer = randn(rows, hidden + 4, dtype=dtype, device=device, seed=10, scale=2.0)
+    x = x_buffer[:, :hidden]  # a row stride
+    residual = randn(rows, hidden, dtype=dtype, device=device, seed=11)
+    # torch sums the squares in another order and its rsqrt is not correctly rounded: a few fp32 ulps in
+    # the scale, which can flip a rounding to 16 bits (one ulp of x's dtype; two where the interpreter
+    # truncates bf16).
+    ulps = 8 if dtype == torch.float32 else 2 if device.type == "cpu" and dtype == torch.bfloat16 else 1
+    with torch.no_grad():
+        plain = rms_norm(x, norm.weight, eps)
+        assert isinstance(plain, torch.Tensor)
+        assert_within_ulps(plain, norm(x), ulps, unit=dtype)
+
+        h = residual + x
+        out, new_residual = rms_norm(x, norm.weight, eps, residual)
+        assert_within_ulps(new_residual, h, 0 if dtype != torch.bfloat16 or device.type == "cuda" else 1)
+        assert_within_ulps(out, norm(new_residual), ulps, unit=dtype)
+        if dtype == torch.float16:  # a missing rounding before the weight would differ in about a quarter
+            assert (out != norm(new_residual)).sum().item() <= out.numel() // 20
+
+        # In place: the residual buffer takes the sum, x's buffer the output (when their dtypes agree).
+        if weight_dtype == dtype:
+            res_buf = residual.clone()
+            got = rms_norm(x, norm.weight, eps, res_buf, out=x, residual_out=res_buf)
+            assert got[0].data_ptr() == x.data_ptr() and got[1].data_ptr() == res_buf.data_ptr()
+            assert torch.equal(x, out) and torch.equal(res_buf, new_residual)
+
+
+# ----------------------------------------------------------------------------------------- activation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_silu_and_mul_matches_hf_mlp(dtype: torch.dtype, device: torch.device) -> None:
+    rows, inter = 3, 1100  # two column blocks, the second partial
+    gate_up_buffer = randn(rows, 2 * inter + 8, dtype=dtype, device=device, seed=12, scale=3.0)
+    gate_up = gate_up_buffer[:, : 2 * inter]
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    out = torch.empty(rows, inter + 3, dtype=dtype, device=device)[:, :inter]
+    got = silu_and_mul(gate_up, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    if device.type == "cuda":
+        assert_within_ulps(got, want, 0)  # libdevice expf and IEEE division: torch's own arithmetic
+    else:  # numpy's exp for libdevice's: an fp32 ulp, which a rounding to 16 bits rarely shows
+        assert_within_ulps(got, want, {torch.float32: 4, torch.float16: 1, torch.bfloat16: 2}[dtype])
+        if dtype == torch.float16:  # rounding silu once less would differ in about a quarter of them
+            assert (got != want).sum().item() <= want.numel() // 100
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def loop_reference(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ends: list[int],
+    y: torch.Tensor,
+    splits: tuple[int, ...],
+) -> torch.Tensor:
+    """Today's engine path member by member (lora_kernels.loop_kernel), x cast to the adapters' dtype."""
+    y = y.clone()
+    rank = b.shape[1]
+    starts = [0, *ends[:-1]]
+    segments = [
+        (s, start, end) for s, (start, end) in enumerate(zip(starts, ends, strict=True)) if end > start
+    ]
+    batch = LoRABatch(
+        num_lora_tokens=ends[-1],
+        offsets=torch.tensor(ends, dtype=torch.int32),
+        segments=segments,
+        segment_table=torch.tensor(segments, dtype=torch.int64).view(-1, 3),
+    )
+    col = 0
+    for p, width in enumerate(splits):
+        member_y = y[:, col : col + width]
+        member_a = a[:, :, p * rank : (p + 1) * rank]
+        loop_kernel(member_y, x.to(a.dtype), member_a, b[:, :, col : col + width], batch)
+        col += width
+    return y
+
+
+@dataclass(frozen=True)
+class LoRACase:
+    dtype: torch.dtype  # the adapters' and y's
+    x_dtype: torch.dtype
+    rank: int
+    splits: tuple[int, ...]
+    ends: list[int]
+    tokens: int
+    k: int
+
+
+LORA_CASES = {
+    # the fused q/k/v expand; an empty slot, a slot of one token, a segment over three row blocks, two
+    # rows without an adapter; a and y are strided views of wider buffers
+    "qkv-rank16-fp32": LoRACase(torch.float32, torch.float32, 16, (32, 16, 16), [3, 3, 4, 38], 40, 48),
+    # gate/up, rank 4 (padded to 16 for tl.dot), the first slot empty, fp16
+    "gate-up-rank4-fp16": LoRACase(torch.float16, torch.float16, 4, (48, 48), [0, 5, 5], 6, 32),
+    # widths no column block divides (one launch per member); rank 64; fp32 activations, fp16 adapters
+    "uneven-rank64-mixed": LoRACase(torch.float16, torch.float32, 64, (40, 24, 8), [2, 7], 9, 40),
+}
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=list(LORA_CASES))
+def test_lora_shrink_and_expand_match_the_loop_kernel(case: str, device: torch.device) -> None:
+    c = LORA_CASES[case]
+    dtype, rank, splits, ends, tokens, k = c.dtype, c.rank, c.splits, c.ends, c.tokens, c.k
+    slots, members, width = len(ends), len(splits), sum(splits)
+    x = randn(tokens, k, dtype=c.x_dtype, device=device, seed=13)
+    a_buffer = randn(slots, k, members * rank + 8, dtype=dtype, device=device, seed=14, scale=0.2)
+    a = a_buffer[:, :, : members * rank]  # R columns of a wider buffer
+    b = randn(slots, rank, width, dtype=dtype, device=device, seed=15, scale=0.2)
+    y_buffer = randn(tokens, width + 5, dtype=dtype, device=device, seed=16)
+    y = y_buffer[:, :width]
+    want = loop_reference(x.cpu(), a.cpu(), b.cpu(), ends, y.cpu(), splits)
+    seg_ends = torch.tensor(ends, dtype=torch.int32, device=device)
+
+    h = torch.full((tokens, members * rank), 7.0, device=device)
+    lora_shrink(x, a, seg_ends, h)
+    want_h = torch.cat([
+        x[start:end].float().cpu() @ a[s].float().cpu()
+        for s, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True))
+    ])  # fmt: skip
+    torch.testing.assert_close(h[: ends[-1]].cpu(), want_h, atol=2e-3, rtol=2e-3)
+    assert bool((h[ends[-1] :] == 7.0).all())  # rows without an adapter are left untouched
+
+    before = y_buffer.clone()
+    lora_expand(h, b, seg_ends, y, splits=splits)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(y.cpu(), want, atol=tol, rtol=tol)
+    assert torch.equal(y_buffer[ends[-1] :], before[ends[-1] :])  # no adapter: y untouched
+    assert torch.equal(y_buffer[:, width:], before[:, width:])  # nothing written past the view
+
+
+# ----------------------------------------------------------------------------------------------- AWQ
+
+
+@pytest.mark.parametrize(("k", "n", "group"), [(64, 96, 32), (80, 64, 16)])
+def test_awq_dequantize_is_gptqmodels_weight(k: int, n: int, group: int, device: torch.device) -> None:
+    """Bit for bit gptqmodel's dequantize_gemm (the weight its AWQ linears multiply by off the CPU kernel).
+    gptqmodel's helper is restated here in torch where gptqmodel is not installed (the GPU image)."""
+    packed = quantize_linear_weight(
+        randn(n, k, dtype=torch.float32, device=torch.device("cpu"), seed=17), group
+    )
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        scales = packed.scales.to(dtype)
+        got = awq_dequantize(packed.qweight.to(device), packed.qzeros.to(device), scales.to(device), group)
+        want = _gptqmodel_dequantize(packed.qweight, packed.qzeros, scales, group)
+        ulps = 0 if device.type == "cuda" or dtype != torch.bfloat16 else 1
+        assert_within_ulps(got.cpu(), want, ulps)
+
+
+def _gptqmodel_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int):
+    if importlib.util.find_spec("gptqmodel") is not None:
+        from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+
+        return dequantize_gemm(qweight, qzeros, scales, 4, group)
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])  # column c of 8 sits in nibble (0 2 4 6 1 3 5 7)^-1
+    codes = ((qweight[..., None] >> shifts) & 0xF).flatten(1)
+    zeros = ((qzeros[..., None] >> shifts) & 0xF).flatten(1).repeat_interleave(group, 0)[: qweight.shape[0]]
+    return (codes - zeros) * scales.repeat_interleave(group, 0)[: qweight.shape[0]]
+
+
+def test_awq_dequantize_reproduces_the_cpu_awq_layer(device: torch.device) -> None:
+    """x @ awq_dequantize(...) against gptqmodel's TorchAtenAwqLinear (what our CPU AWQ path loads) run on
+    the same packed weights: exactly its dequantizing path, and its fused int4 CPU kernel (bf16 inside)
+    to bf16 accuracy. A wrong nibble order or zero would be off by the whole weight."""
+    pytest.importorskip("gptqmodel")
+    from gptqmodel.nn_modules.qlinear.torch_aten_kernel_awq import TorchAtenAwqLinear
+
+    k, n, group = 64, 96, 32
+    packed = quantize_linear_weight(
+        randn(n, k, dtype=torch.float32, device=torch.device("cpu"), seed=18), group
+    )
+    weight = awq_dequantize(
+        packed.qweight.to(device), packed.qzeros.to(device), packed.scales.to(device), group
+    )
+
+    def layer(mode: str | None) -> TorchAtenAwqLinear:
+        module = TorchAtenAwqLinear(
+            bits=4, group_size=group, sym=False, desc_act=False, in_features=k, out_features=n, bias=False
+        )
+        module.qweight.copy_(packed.qweight)
+        module.qzeros.copy_(packed.qzeros)
+        module.scales.copy_(packed.scales)
+        module.post_init()
+        module.linear_mode = mode  # "train": dequantize and matmul; None: the fused kernel on first call
+        return module.eval()
+
+    for dtype in (torch.float32, torch.float16):
+        x = randn(5, k, dtype=dtype, device=torch.device("cpu"), seed=19)
+        ours = x @ weight.cpu().to(dtype)
+        with torch.no_grad():
+            assert torch.equal(layer("train")(x), ours)
+            fused = layer(None)(x)
+        assert fused.dtype == dtype
+        rel = ((fused.float() - ours.float()).abs().max() / ours.float().abs().max()).item()
+        assert rel < 1e-2, rel
+
+
+# ----------------------------------------------------------------------------------- without Triton
+
+
+def test_the_kernel_modules_import_without_triton() -> None:
+    """A CPU-only engine may import them: they import, and a launcher says plainly what is missing."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from deployments.engine.gpu_kernels import activation, awq_dequant, lora_sgmv, paged_attention,"
+        " rms_norm, rotary_cache\n"
+        "try:\n"
+        "    rms_norm.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "need Triton, which is not installed" in result.stdout
+
+
+# ------------------------------------------------------------------------------------------ CUDA graph
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
+    """Captured once, replayed after the step's metadata changed in place (context lengths, block tables,
+    positions, slots, LoRA segments): the same bits as eager calls. Capture itself fails on a host sync."""
+    pytest.importorskip("triton")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    batch, heads, kv, dim, bs, width, hidden, inter, slots, rank = 4, 8, 2, 64, 16, 8, 128, 96, 3, 16
+    qkv_src = randn(batch, (heads + 2 * kv) * dim, dtype=dtype, device=dev, seed=20)
+    qkv = qkv_src.clone()
+    q = qkv[:, : heads * dim].view(batch, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv) * dim].view(batch, kv, dim)
+    v = qkv[:, (heads + kv) * dim :].view(batch, kv, dim)
+    k_cache = randn(2 * batch * width * bs, kv, dim, dtype=dtype, device=dev, seed=21)
+    v_cache = randn(2 * batch * width * bs, kv, dim, dtype=dtype, device=dev, seed=22)
+    table = rotary_table(*(randn(4096, dim, dtype=dtype, device=dev, seed=s) for s in (23, 24)))
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=dev)
+    lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+    positions = torch.zeros(batch, dtype=torch.int64, device=dev)
+    slot_mapping = torch.zeros(batch, dtype=torch.int64, device=dev)
+    x = randn(batch, hidden, dtype=dtype, device=dev, seed=25)
+    residual = randn(batch, hidden, dtype=dtype, device=dev, seed=26)
+    weight = randn(hidden, dtype=dtype, device=dev, seed=27)
+    gate_up = randn(batch, 2 * inter, dtype=dtype, device=dev, seed=28)
+    a = randn(slots, hidden, 2 * rank, dtype=dtype, device=dev, seed=29, scale=0.1)
+    b = randn(slots, rank, 2 * inter, dtype=dtype, device=dev, seed=30, scale=0.1)
+    seg_ends = torch.zeros(slots, dtype=torch.int32, device=dev)
+    packed = quantize_linear_weight(
+        randn(inter, hidden, dtype=torch.float32, device=torch.device("cpu"), seed=31), 32
+    )
+    qweight, qzeros, scales = packed.qweight.to(dev), packed.qzeros.to(dev), packed.scales.to(dev)
+    outs = {
+        "attn_split": torch.empty(batch, heads, dim, dtype=dtype, device=dev),
+        "attn": torch.empty(batch, heads, dim, dtype=dtype, device=dev),
+        "norm": torch.empty(batch, hidden, dtype=dtype, device=dev),
+        "residual": torch.empty(batch, hidden, dtype=dtype, device=dev),
+        "act": torch.empty(batch, inter, dtype=dtype, device=dev),
+        "h": torch.empty(batch, 2 * rank, device=dev),
+        "y": torch.empty(batch, 2 * inter, dtype=dtype, device=dev),
+    }
+
+    def step() -> torch.Tensor:
+        qkv.copy_(qkv_src)  # the rotary works in place: start each replay from the same input
+        rotary_and_cache(q, k, v, table, positions, slot_mapping, k_cache, v_cache)
+        for name, parts in (("attn_split", 4), ("attn", 1)):
+            paged_decode_attention(
+                q, k_cache, v_cache, tables, lens, block_size=bs, scale=0.125, sliding_window=50,
+                out=outs[name], partitions=parts,
+            )  # fmt: skip
+        rms_norm(x, weight, 1e-5, residual, out=outs["norm"], residual_out=outs["residual"])
+        silu_and_mul(gate_up, out=outs["act"])
+        outs["h"].zero_()
+        outs["y"].zero_()
+        lora_shrink(x, a, seg_ends, outs["h"])
+        lora_expand(outs["h"], b, seg_ends, outs["y"], splits=(inter, inter))
+        return awq_dequantize(qweight, qzeros, scales, 32)
+
+    def set_metadata(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        lens.copy_(torch.randint(0, width * bs + 1, (batch,), generator=gen))
+        lens[0] = width * bs  # a full table
+        tables.copy_(torch.randperm(2 * batch * width, generator=gen)[: batch * width].view(batch, width))
+        positions.copy_(torch.randint(0, 4096, (batch,), generator=gen))
+        slot_mapping.copy_(torch.randperm(k_cache.shape[0], generator=gen)[:batch])
+        slot_mapping[-1] = -1
+        cuts = torch.randint(0, batch + 1, (slots,), generator=gen).sort().values
+        seg_ends.copy_(cuts)
+
+    set_metadata(0)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles every kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dequantized = step()
+    for seed in (1, 2):
+        set_metadata(seed)
+        cache_before = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        replayed = {name: t.clone() for name, t in outs.items()} | {"awq": dequantized.clone()}
+        replayed_cache = k_cache.clone(), v_cache.clone()
+        k_cache.copy_(cache_before[0])
+        v_cache.copy_(cache_before[1])
+        eager = step()
+        for name, t in outs.items():
+            assert torch.equal(replayed[name], t), name
+        assert torch.equal(replayed["awq"], eager)
+        assert torch.equal(replayed_cache[0], k_cache) and torch.equal(replayed_cache[1], v_cache)
