@@ -128,6 +128,7 @@ class TritonOps(TorchOps):
         self._rotary = rotary_cache
         self._act = activation
         self._attn = paged_attention
+        self._tables: dict[int, torch.Tensor] = {}  # id(cos) -> the kernel's [max_pos, 2, D] cos/sin table
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = self._rms.rms_norm(x, weight, eps)
@@ -153,7 +154,10 @@ class TritonOps(TorchOps):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> None:
-        self._rotary.rotary_and_cache(q, k, v, (cos, sin), positions, slot_mapping, k_cache, v_cache)
+        table = self._tables.get(id(cos))
+        if table is None:  # built once per model: the forward passes the same tables every step
+            table = self._tables[id(cos)] = self._rotary.rotary_table(cos, sin)
+        self._rotary.rotary_and_cache(q, k, v, table, positions, slot_mapping, k_cache, v_cache)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._act.silu_and_mul(gate_up)

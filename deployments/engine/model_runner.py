@@ -49,13 +49,9 @@ class ModelRunner:
         self.forward: DecoderForward | HFForward
         if reason is None:
             ops = layer_ops_for(self.device)
+            triton = ops.name == "triton"  # fused groups pay off with the Triton LoRA kernels (CUDA)
             self.forward = DecoderForward(
-                loaded.model,
-                kv_cache,
-                ops,
-                fuse=cuda,
-                group_lora=ops.name == "triton",
-                max_positions=max_model_len,
+                loaded.model, kv_cache, ops, fuse=triton, group_lora=triton, max_positions=max_model_len
             )
             if ops.name == "triton":
                 self.lora_context.kernel_name = "triton_sgmv"

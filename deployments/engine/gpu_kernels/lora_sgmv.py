@@ -108,17 +108,20 @@ def _block_m(tokens: int) -> int:
     return 16 if tokens <= 256 else 64
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)  # the engine packs its step metadata in int64
+
+
 def _check_segments(seg_ends: torch.Tensor, slots: int) -> None:
-    if seg_ends.shape != (slots,) or seg_ends.dtype != torch.int32 or not seg_ends.is_contiguous():
+    if seg_ends.shape != (slots,) or seg_ends.dtype not in INDEX_DTYPES or not seg_ends.is_contiguous():
         raise ValueError(
-            f"seg_ends must be a contiguous int32 [S={slots}], got {seg_ends.dtype} {seg_ends.shape}"
+            f"seg_ends must be a contiguous int32/int64 [S={slots}], got {seg_ends.dtype} {seg_ends.shape}"
         )
 
 
 def lora_shrink(
     x: torch.Tensor,  # [T, K], any row stride
     a: torch.Tensor,  # [S, K, R], any slot and K strides (e.g. R columns of a wider buffer)
-    seg_ends: torch.Tensor,  # [S] int32
+    seg_ends: torch.Tensor,  # [S] int32 or int64
     h: torch.Tensor,  # [T, R] fp32, any row stride
 ) -> None:
     """h[t] = x[t] @ a[slot(t)] in fp32 (x cast to a's dtype) for rows with an adapter; others untouched."""
@@ -164,7 +167,7 @@ def _launch_expand(
 def lora_expand(
     h: torch.Tensor,  # [T, P * R] fp32 (P = len(splits)), any row stride
     b: torch.Tensor,  # [S, R, sum(splits)], any slot and R strides
-    seg_ends: torch.Tensor,  # [S] int32
+    seg_ends: torch.Tensor,  # [S] int32 or int64
     y: torch.Tensor,  # [T, sum(splits)], any row stride
     *,
     splits: tuple[int, ...],

@@ -164,13 +164,14 @@ def _check(
         raise ValueError(
             f"q {tuple(q.shape)} does not match the cache's [slots, Hkv, D] {tuple(k_cache.shape)}"
         )
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+    index_dtypes = (torch.int32, torch.int64)  # the engine packs its step metadata in int64
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in index_dtypes:
         raise ValueError(
-            f"block_tables must be int32 [B={batch}, W], got {block_tables.dtype} {block_tables.shape}"
+            f"block_tables must be int32/int64 [B={batch}, W], got {block_tables.dtype} {block_tables.shape}"
         )
-    if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
+    if context_lens.shape != (batch,) or context_lens.dtype not in index_dtypes:
         raise ValueError(
-            f"context_lens must be int32 [B={batch}], got {context_lens.dtype} {context_lens.shape}"
+            f"context_lens must be int32/int64 [B={batch}], got {context_lens.dtype} {context_lens.shape}"
         )
     if block_size < 1 or k_cache.shape[0] % block_size != 0:
         raise ValueError(f"block_size {block_size} must divide the cache's {k_cache.shape[0]} slots")
@@ -184,8 +185,8 @@ def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D], any row strides
     k_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]
-    block_tables: torch.Tensor,  # [B, W] int32
-    context_lens: torch.Tensor,  # [B] int32, each <= W * block_size
+    block_tables: torch.Tensor,  # [B, W] int32 or int64
+    context_lens: torch.Tensor,  # [B] int32 or int64, each <= W * block_size
     *,
     block_size: int,
     scale: float,
