@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from app.errors import RateLimited, RequestTooLarge
+from app.errors import RateLimited, RequestTooLarge, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
 from app.metrics import Counter
 
@@ -23,8 +23,8 @@ _RETRIES: set["asyncio.Future[None]"] = set()  # background release retries, kep
 RENEW_EVERY_S = 30.0  # leases last minutes; a long stream renews well before they lapse
 
 # reason: requests, tokens, concurrency or queued (a limit was reached), queue_full (too many waiters
-# already), too_large (more than a minute's tokens), unavailable (the limiter could not be reached and the
-# ingress fails closed).
+# already), too_large (more than a minute's tokens), too_many_sequences (more than max_concurrent),
+# unavailable (the limiter could not be reached and the ingress fails closed).
 REJECTIONS = Counter(
     "loraplex_limiter_rejections", "Requests the rate limiter refused.", ("tenant", "reason")
 )
@@ -51,14 +51,18 @@ class Admission:
         limits: Limits,
         reserve: int,
         fail_open: bool,
+        sequences: int = 1,
     ) -> "Admission":
+        """`sequences`: what the concurrency lease weighs (n x prompts, the sequences the engine runs)."""
         if limits.unlimited:
             return cls(None, tenant, request_id, limits, None)
         wait_ms = limits.max_queue_ms if limits.on_limit == "queue" else 0
         start = time.monotonic()
         finished = False  # the backend answered: it has left the queue itself
         try:
-            decision = await backend.admit(tenant, request_id, limits, reserve, wait_ms=wait_ms)
+            decision = await backend.admit(
+                tenant, request_id, limits, reserve, wait_ms=wait_ms, sequences=sequences
+            )
             finished = True
         except LimiterUnavailable as error:
             # A call that timed out may still have admitted us over there: give any lease back.
@@ -78,6 +82,8 @@ class Admission:
         _count_rejection(tenant, decision.reason or "requests")
         if decision.reason == "too_large":
             raise RequestTooLarge(reserve, limits, tier)
+        if decision.reason == "too_many_sequences":
+            raise TooManySequences(sequences, concurrency_limit(limits, tier))
         waited = int((time.monotonic() - start) * 1000) if decision.reason != "queue_full" else 0
         raise RateLimited(decision, limits, tier, queued_ms=waited if wait_ms > 0 else 0)
 
@@ -129,6 +135,11 @@ class Admission:
             except Exception:
                 wait = min(wait * 2, 5.0)
         log.warning("gave up releasing %s: its lease has expired by now", self.request_id)
+
+
+def concurrency_limit(limits: Limits, tier: str) -> str:
+    """The tier's concurrency, as a refusal for too many sequences names it."""
+    return f"tier {tier} runs at most {limits.max_concurrent} sequences at once"
 
 
 def _count_rejection(tenant: str, reason: str) -> None:

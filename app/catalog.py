@@ -13,7 +13,7 @@ from pathlib import Path
 
 from adapters.layout import BaseModelLayout
 from app.prompts import PromptBuilder
-from deployments.engine.interface import DEFAULT_LORA_TARGETS
+from deployments.engine.interface import DEFAULT_LORA_TARGETS, DEFAULT_MAX_NUM_SEQS
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class BaseModelSpec:
     max_model_len: int | None = None  # None: the model's own
     max_lora_rank: int = 16
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # the engine's; also the most sequences one request may run
 
 
 @dataclass

@@ -59,7 +59,11 @@ def prepare(settings: Settings, config_path: Path) -> DemoSetup:
         engine = EngineConfig(adapter_store=settings.resolved_adapter_store(), **entry["engine"])
         model_dir = ensure_demo_model(entry["name"], engine.model)
         specs[entry["name"]] = BaseModelSpec(
-            model_dir, engine.max_model_len, engine.max_lora_rank, engine.lora_target_modules
+            model_dir,
+            engine.max_model_len,
+            engine.max_lora_rank,
+            engine.lora_target_modules,
+            max_num_seqs=engine.max_num_seqs,
         )
     catalog = ModelCatalog.from_specs(specs)
     ingest = AdapterIngest(catalog, AdapterStore(settings.resolved_adapter_store()), sessions)

@@ -33,6 +33,7 @@ from deployments.engine.interface import (
     EngineStopped,
     InvalidRequest,
     PromptTooLong,
+    QueueShareExceeded,
     ReplicaLost,
 )
 
@@ -129,7 +130,7 @@ class PayloadTooLarge(APIError):
 _LIMIT_NAMES = {
     "requests": "requests per minute (RPM): limit {limit}",
     "tokens": "tokens per minute (TPM): limit {limit}",
-    "concurrency": "concurrent requests: limit {limit}",
+    "concurrency": "concurrent sequences (each request counts n x prompts): limit {limit}",
     "queued": "queued requests: the wait ran out behind earlier ones",
     "queue_full": "queued requests: this tenant has the most queued that it may",
 }
@@ -151,6 +152,20 @@ class RateLimited(APIError):
         }
         message = f"Rate limit reached for {what} on tier {tier}{waited}. Please try again in {retry_s:g}s."
         super().__init__(429, message, code="rate_limit_exceeded", headers=headers)
+
+
+class TooManySequences(InvalidParameter):
+    """400: a request runs more sequences (every choice of every prompt) than it ever may; retrying the same
+    request cannot help, so it is refused at once rather than queued."""
+
+    def __init__(
+        self, sequences: int, limit: str, *, n: int | None = None, prompts: int | None = None
+    ) -> None:
+        what = f"{sequences} sequences (n x prompts)"
+        if n is not None and prompts is not None:
+            what = f"n ({n}) x prompts ({prompts}) = {sequences} sequences"
+        message = f"This request needs {what}; {limit}. Lower n or send fewer prompts."
+        super().__init__(message, param="n", code="too_many_sequences")
 
 
 class RequestTooLarge(APIError):
@@ -225,6 +240,10 @@ def to_api_error(error: Exception) -> APIError:
         return APIError(400, str(error), param="max_tokens")
     if isinstance(error, InvalidRequest):
         return APIError(400, str(error), param=error.param)
+    if isinstance(error, QueueShareExceeded):  # this tenant's own backlog, not the engine's: throttled
+        log.info("engine queue share exceeded: %s", error)
+        message = "Too many of your requests wait for this model while others wait too; please retry shortly."
+        return APIError(429, message, code="queue_share_exceeded", headers={"retry-after": "1"})
     if isinstance(error, EngineOverloaded | EngineStopped):
         log.info("engine unavailable: %s", error)  # queue depths and causes stay in the log
         message = "The model is overloaded or restarting; please retry shortly."

@@ -22,12 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from app import log_context, request_metrics
-from app.admission import Admission
+from app.admission import Admission, concurrency_limit
 from app.authenticator import Principal
 from app.choices import Choices, Shape
 from app.closing_stream_response import ClosingStreamingResponse
 from app.engine_stream import EngineStream, uncancellable
-from app.errors import GenerationFailed, InvalidParameter, to_api_error
+from app.errors import GenerationFailed, InvalidParameter, TooManySequences, to_api_error
 from app.metering.request_record import RequestRecord, RequestStatus
 from app.schemas.openai import (
     ChatChoice,
@@ -150,6 +150,7 @@ class Generation:
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.longest_prompt = max(len(p) for p in prompts)
         self._check_context(prompts, params)  # before admission: a request that cannot run reserves nothing
+        sequences = self._check_sequences(prompts, params)
         params = self._capped(params)
         room = self.target.base.max_model_len - self.longest_prompt
         output = params.max_tokens if params.max_tokens is not None else max(room, 0)
@@ -162,6 +163,7 @@ class Generation:
             # every prompt once, and every choice of every prompt its max_tokens
             reserve=self.prompt_tokens + params.n * len(prompts) * output,
             fail_open=self.services.limiter_fail_open,
+            sequences=sequences,  # concurrency counts what the engine runs, not HTTP requests
         )
         self.engine_request = EngineRequest(
             request_id=self.request_id,
@@ -171,6 +173,7 @@ class Generation:
             cache_salt=self.principal.tenant_id,  # tenants never share cached prefixes
             announce=True,  # so a client leaving before its first token still pays for its prefill
             more_prompts=tuple(prompts[1:]),
+            tenant=self.principal.tenant_id,  # the engine's fair share of its waiting queue
         )
         choices = Choices(self.kind, shape, prompts, self.target.base.prompts.tokens)
         outputs = self._engine_outputs()
@@ -256,6 +259,20 @@ class Generation:
         if params.max_tokens is not None and params.max_tokens > context:
             message = f"max_tokens {params.max_tokens} exceeds this model's context of {context} tokens."
             raise InvalidParameter(message, param="max_tokens", code="context_length_exceeded")
+
+    def _check_sequences(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """The sequences the request runs (n per prompt), refused at once past what one request may run on
+        this model (the engine's max_num_seqs) or past the tier's concurrency: no wait could make room."""
+        sequences = params.n * len(prompts)
+        per_request = self.target.base.spec.max_num_seqs
+        limit = None
+        if sequences > per_request:
+            limit = f"one request runs at most {per_request} sequences on this model"
+        elif sequences > (self.principal.limits.max_concurrent or sequences):
+            limit = concurrency_limit(self.principal.limits, self.principal.tier)
+        if limit is not None:
+            raise TooManySequences(sequences, limit, n=params.n, prompts=len(prompts))
+        return sequences
 
     def _capped(self, params: SamplingParams) -> SamplingParams:
         """The tier's max_tokens cap: asking for more is an error; asking for nothing means the cap."""

@@ -148,6 +148,7 @@ def build_app(args: dict[str, Any]) -> Application:
             "max_model_len": config.max_model_len,
             "max_lora_rank": config.max_lora_rank,
             "lora_target_modules": list(config.lora_target_modules),
+            "max_num_seqs": config.max_num_seqs,
         }
     metering = serve.deployment(
         name="metering",

@@ -19,6 +19,7 @@ from app.dependency_noise import quiet_dependencies
 from app.limits.factory import LimiterConfig, make_limiter
 from app.main import Routes, create_app
 from app.settings import Settings
+from deployments.engine.interface import DEFAULT_MAX_NUM_SEQS
 from deployments.metering import ServeMeteringSink
 from deployments.serve_engine_client import ServeEngineClient
 
@@ -41,6 +42,7 @@ class Ingress:
                 max_model_len=spec.get("max_model_len"),
                 max_lora_rank=spec["max_lora_rank"],
                 lora_targets=tuple(spec["lora_target_modules"]),
+                max_num_seqs=spec.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS),
             )
             for name, spec in models.items()
         }

@@ -27,7 +27,11 @@ TpmOption = Annotated[
 MaxConcurrentOption = Annotated[
     int | None,
     typer.Option(
-        "--max-concurrent", min=1, metavar="N", help="Requests in flight at once.", show_default=False
+        "--max-concurrent",
+        min=1,
+        metavar="N",
+        help="Sequences in flight at once (n x prompts per request).",
+        show_default=False,
     ),
 ]
 MaxTokensCapOption = Annotated[

@@ -11,9 +11,18 @@ class LocalLimiter(LimiterBackend):
         self.state = self.waiting.state
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
+        self,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        reserve_tokens: int,
+        *,
+        wait_ms: int = 0,
+        sequences: int = 1,
     ) -> Decision:
-        return await self.waiting.admit(tenant, request_id, limits, reserve_tokens, wait_ms=wait_ms)
+        return await self.waiting.admit(
+            tenant, request_id, limits, reserve_tokens, wait_ms=wait_ms, sequences=sequences
+        )
 
     async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
         self.waiting.release(tenant, request_id, used_tokens)

@@ -2,8 +2,8 @@
 
 Admission checks three things atomically, cluster-wide, per tenant: requests in the last minute (sliding
 window), tokens in the last minute (prompt + max_tokens reserved at admission, reconciled to what was
-really used when the request ends), and concurrent requests (leases that expire on their own, so a crashed
-ingress cannot leak them).
+really used when the request ends), and concurrent sequences (leases that expire on their own, so a crashed
+ingress cannot leak them; a request's lease weighs the sequences it runs, n x prompts, as the engine does).
 """
 
 import math
@@ -12,11 +12,16 @@ from typing import Literal, Protocol
 
 WINDOW_MS = 60_000
 # "queued": still behind earlier waiters when the wait ran out; "queue_full": the tenant already has as many
-# waiters as the limiter allows, so this one was refused without waiting.
-Reason = Literal["requests", "tokens", "concurrency", "queued", "queue_full", "too_large"]
+# waiters as the limiter allows, so this one was refused without waiting; "too_large": more tokens than a
+# minute's, "too_many_sequences": more sequences than max_concurrent (neither can ever fit: never queued).
+Reason = Literal[
+    "requests", "tokens", "concurrency", "queued", "queue_full", "too_large", "too_many_sequences"
+]
+FINAL_REASONS: frozenset[Reason] = frozenset({"queue_full", "too_large", "too_many_sequences"})  # no waiting
 MAX_TOKENS = 10**12  # far above any real request or minute, far below where Lua's doubles lose integers
 MAX_WAIT_MS = 3_600_000  # an hour: longer than any queue tier waits
 DEFAULT_MAX_WAITERS = 64  # waiters per tenant; past them a queued request is refused at once
+MAX_SEQUENCES = 10**6  # a lease's weight: far above any request's n x prompts
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class Limits:
 
     rpm: int | None = None
     tpm: int | None = None
-    max_concurrent: int | None = None
+    max_concurrent: int | None = None  # sequences in flight at once (a request holds n x prompts of them)
     max_tokens_cap: int | None = None  # largest max_tokens a request may ask for; the reservation if absent
     on_limit: Literal["reject", "queue"] = "reject"
     max_queue_ms: int = 0
@@ -69,7 +74,7 @@ class WindowState:
 
     requests: int  # admitted in the last minute
     tokens: int  # reserved or used in the last minute
-    in_flight: int  # live concurrency leases
+    in_flight: int  # sequences held by live concurrency leases
     queued: int  # waiters in the queue
     reset_requests_ms: int  # until the request window is empty again
     reset_tokens_ms: int
@@ -97,12 +102,21 @@ class LimiterBackend(Protocol):
     arguments (a token count that is not a bounded integer) InvalidTokenCount, before anything is written."""
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
+        self,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        reserve_tokens: int,
+        *,
+        wait_ms: int = 0,
+        sequences: int = 1,
     ) -> Decision:
         """Admit now or say why not. `wait_ms` > 0: join the tenant's FIFO queue and wait there, up to that
         long, until this request is the oldest waiter and fits; the backend does the waiting (woken when a
         lease or place is given back, or when the window makes room) and leaves the queue itself when it
-        answers. A tenant with the backend's maximum of waiters already gets `queue_full` at once."""
+        answers. A tenant with the backend's maximum of waiters already gets `queue_full` at once.
+        `sequences`: the lease's weight against max_concurrent; more than max_concurrent gets
+        `too_many_sequences` at once, never a place in the queue."""
         ...
 
     async def release(self, tenant: str, request_id: str, used_tokens: int) -> None:
@@ -138,6 +152,13 @@ def check_tokens(name: str, value: object) -> int:
         value = int(value)
     if not 0 <= value <= MAX_TOKENS:
         raise InvalidTokenCount(f"{name} must be between 0 and {MAX_TOKENS} tokens, got {value}")
+    return value
+
+
+def check_sequences(value: object) -> int:
+    """`value` as a lease weight (1 to MAX_SEQUENCES), or ValueError before anything is written."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEQUENCES:
+        raise ValueError(f"sequences must be an integer from 1 to {MAX_SEQUENCES}, got {value!r}")
     return value
 
 

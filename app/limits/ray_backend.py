@@ -22,6 +22,7 @@ from app.limits.protocol import (
     LimiterUnavailable,
     Limits,
     WindowState,
+    check_sequences,
     check_tokens,
     check_wait,
 )
@@ -37,9 +38,11 @@ class LimiterActor:
         self.state = WaitingState(max_waiters)
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve: int, wait_ms: int
+        self, tenant: str, request_id: str, limits: Limits, reserve: int, wait_ms: int, sequences: int = 1
     ) -> Decision:
-        return await self.state.admit(tenant, request_id, limits, reserve, wait_ms=wait_ms)
+        return await self.state.admit(
+            tenant, request_id, limits, reserve, wait_ms=wait_ms, sequences=sequences
+        )
 
     async def release(self, tenant: str, request_id: str, used: int) -> None:
         self.state.release(tenant, request_id, used)
@@ -78,10 +81,17 @@ class RayLimiter(LimiterBackend):
             raise
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
+        self,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        reserve_tokens: int,
+        *,
+        wait_ms: int = 0,
+        sequences: int = 1,
     ) -> Decision:
         reserve, wait = check_tokens("reserve_tokens", reserve_tokens), check_wait(wait_ms)
-        ref = self._actor.admit.remote(tenant, request_id, limits, reserve, wait)
+        ref = self._actor.admit.remote(tenant, request_id, limits, reserve, wait, check_sequences(sequences))
         decision: Decision = await self._call(ref, wait / 1000)
         return decision
 

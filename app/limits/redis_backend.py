@@ -12,6 +12,7 @@ Keys, per tenant, share the hash tag `{tenant}` (one cluster slot, so one script
     tokens:n      HASH  request id -> tokens            reserved, then what was used after release
     tokens:total  STRING sum of tokens:n                 kept in step, so admit never sums the hash
     leases        ZSET  request id -> expiry (ms)
+    leases:n      HASH  request id -> sequences         the lease's weight against max_concurrent
     queue         ZSET  request id -> arrival (ms)      FIFO order
     queue:seen    ZSET  request id -> last poll (ms)    a ZSET, not a HASH: stale waiters are a range query
 
@@ -40,6 +41,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from app.limits.protocol import (
     DEFAULT_MAX_WAITERS,
+    FINAL_REASONS,
     MAX_TOKENS,
     WINDOW_MS,
     Decision,
@@ -49,6 +51,7 @@ from app.limits.protocol import (
     Limits,
     Reason,
     WindowState,
+    check_sequences,
     check_tokens,
     check_wait,
 )
@@ -58,7 +61,16 @@ from app.limits.wakeups import Wakeups
 log = logging.getLogger(__name__)
 MAX_LIMIT = 10**15  # a limit above this is no limit that could bind; sent clamped, as Lua integers stay exact
 LISTEN_RETRY_S = 1.0  # the wake listener reconnects after this (waiters keep their heartbeat meanwhile)
-_KEY_SUFFIXES = ("requests", "tokens:at", "tokens:n", "tokens:total", "leases", "queue", "queue:seen")
+_KEY_SUFFIXES = (
+    "requests",
+    "tokens:at",
+    "tokens:n",
+    "tokens:total",
+    "leases",
+    "queue",
+    "queue:seen",
+    "leases:n",
+)
 _REASONS: dict[bytes, Reason] = {
     b"requests": "requests",
     b"tokens": "tokens",
@@ -66,6 +78,7 @@ _REASONS: dict[bytes, Reason] = {
     b"queued": "queued",
     b"queue_full": "queue_full",
     b"too_large": "too_large",
+    b"too_many_sequences": "too_many_sequences",
 }
 _INVALID = "loraplex invalid argument"  # the scripts' error replies for arguments they refuse
 
@@ -73,6 +86,7 @@ _INVALID = "loraplex invalid argument"  # the scripts' error replies for argumen
 # chunks. Server time, in ms: the one clock every replica agrees on.
 _PRELUDE = """
 local REQUESTS, TOKENS_AT, TOKENS_N, TOKENS_TOTAL, LEASES, QUEUE, QUEUE_SEEN = 1, 2, 3, 4, 5, 6, 7
+local LEASES_N = 8
 
 -- ARGV[i] as an integer in [lo, hi], or an error reply before the script has written anything.
 local function int_arg(i, lo, hi)
@@ -108,6 +122,16 @@ local function keep_alive(ms)
   end
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ms) end
 end
+
+-- Sequences held by the leases named in ids (a lease without a weight, from before weights, holds one).
+local function weight_of(ids)
+  local sum = 0
+  for i = 1, #ids, 1000 do
+    local weights = redis.call('HMGET', KEYS[LEASES_N], unpack(ids, i, math.min(i + 999, #ids)))
+    for j = 1, #weights do sum = sum + (tonumber(weights[j]) or 1) end
+  end
+  return sum
+end
 """
 
 
@@ -121,8 +145,8 @@ def _lua(body: str) -> str:
 
 # ARGV: request id, rpm, tpm, max_concurrent (-1: unlimited), lease TTL, reserve, queued (0/1),
 # window, queue stale, concurrency retry, queued retry (all ms), max waiters (-1: unbounded), wake channel,
-# tenant. Returns {admitted, reason, retry_after, requests in window, reset_requests, token total,
-# reset_tokens}.
+# tenant, sequences (the lease's weight). Returns {admitted, reason, retry_after, requests in window,
+# reset_requests, token total, reset_tokens}.
 _ADMIT = _lua(
     """
 local id = ARGV[1]
@@ -134,6 +158,7 @@ local window, stale = int_arg(8, 1, MAX_LIMIT_VALUE), int_arg(9, 1, MAX_LIMIT_VA
 local concurrency_retry, queued_retry = int_arg(10, 0, MAX_LIMIT_VALUE), int_arg(11, 0, MAX_LIMIT_VALUE)
 local max_waiters = int_arg(12, -1, MAX_LIMIT_VALUE)
 local channel, tenant = ARGV[13], ARGV[14]
+local sequences = int_arg(15, 1, MAX_LIMIT_VALUE)
 local now = now_ms()
 
 local function reset(key)
@@ -183,7 +208,11 @@ if #gone > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[TOKENS_AT], '-inf', horizon)
   redis.call('DECRBY', KEYS[TOKENS_TOTAL], sum)
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[LEASES], '-inf', now)
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[LEASES], '-inf', now)
+if #lapsed > 0 then
+  chunked('HDEL', KEYS[LEASES_N], lapsed)
+  redis.call('ZREMRANGEBYSCORE', KEYS[LEASES], '-inf', now)
+end
 local stale_waiters = redis.call('ZRANGEBYSCORE', KEYS[QUEUE_SEEN], '-inf', now - stale)
 if #stale_waiters > 0 then
   chunked('ZREM', KEYS[QUEUE], stale_waiters)
@@ -202,7 +231,8 @@ local function blocked()
   if tpm >= 0 and total + reserve > tpm then
     return 'tokens', token_wait(total, tpm - reserve)
   end
-  if max_concurrent >= 0 and redis.call('ZCARD', KEYS[LEASES]) >= max_concurrent then
+  local held = max_concurrent >= 0 and weight_of(redis.call('ZRANGE', KEYS[LEASES], 0, -1)) or 0
+  if max_concurrent >= 0 and held + sequences > max_concurrent then
     return 'concurrency', concurrency_retry
   end
   return nil, 0
@@ -210,6 +240,9 @@ end
 
 if tpm >= 0 and reserve > tpm then
   return decide(0, 'too_large', 0)
+end
+if max_concurrent >= 0 and sequences > max_concurrent then
+  return decide(0, 'too_many_sequences', 0)
 end
 if queued then
   if not redis.call('ZSCORE', KEYS[QUEUE], id) then
@@ -244,6 +277,7 @@ redis.call('ZADD', KEYS[TOKENS_AT], now, id)
 redis.call('HSET', KEYS[TOKENS_N], id, reserve)
 redis.call('INCRBY', KEYS[TOKENS_TOTAL], reserve)
 redis.call('ZADD', KEYS[LEASES], now + lease_ttl, id)
+redis.call('HSET', KEYS[LEASES_N], id, sequences)
 if queued then wake_waiters(channel, tenant) end  -- the head went: the next one may fit too
 return decide(1, '', 0)
 """
@@ -255,6 +289,7 @@ _RELEASE = _lua(
 local id, used = ARGV[1], int_arg(2, 0, MAX_TOKENS_VALUE)
 local reserved = tonumber(redis.call('HGET', KEYS[TOKENS_N], id))
 redis.call('ZREM', KEYS[LEASES], id)
+redis.call('HDEL', KEYS[LEASES_N], id)
 if reserved then  -- still in the window: the minute's total reflects what was really used
   redis.call('HSET', KEYS[TOKENS_N], id, used)
   redis.call('INCRBY', KEYS[TOKENS_TOTAL], used - reserved)
@@ -306,7 +341,7 @@ for i = 1, #gone, 1000 do
   for j = 1, #amounts do tokens = tokens - (tonumber(amounts[j]) or 0) end
 end
 return {redis.call('ZCOUNT', KEYS[REQUESTS], '(' .. horizon, '+inf'), reset(REQUESTS), tokens,
-        reset(TOKENS_AT), redis.call('ZCOUNT', KEYS[LEASES], '(' .. now, '+inf'),
+        reset(TOKENS_AT), weight_of(redis.call('ZRANGEBYSCORE', KEYS[LEASES], '(' .. now, '+inf')),
         redis.call('ZCOUNT', KEYS[QUEUE_SEEN], '(' .. (now - stale), '+inf')}
 """
 )
@@ -380,12 +415,20 @@ class RedisLimiter(LimiterBackend):
             raise LimiterUnavailable(f"redis rate limiter unavailable: {error!r}") from error
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
+        self,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        reserve_tokens: int,
+        *,
+        wait_ms: int = 0,
+        sequences: int = 1,
     ) -> Decision:
         reserve, wait_ms = check_tokens("reserve_tokens", reserve_tokens), check_wait(wait_ms)
+        sequences = check_sequences(sequences)
         queued = wait_ms > 0
-        decision = await self._admit_once(tenant, request_id, limits, reserve, queued=queued)
-        if decision.admitted or not queued or decision.reason in ("too_large", "queue_full"):
+        decision = await self._admit_once(tenant, request_id, limits, reserve, sequences, queued=queued)
+        if decision.admitted or not queued or decision.reason in FINAL_REASONS:
             return decision
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_ms / 1000
@@ -396,7 +439,7 @@ class RedisLimiter(LimiterBackend):
                 await waiter.nap(min(left, _nap_ms(decision) / 1000))
                 if waiter.left:
                     break
-                decision = await self._admit_once(tenant, request_id, limits, reserve, queued=True)
+                decision = await self._admit_once(tenant, request_id, limits, reserve, sequences, queued=True)
                 if decision.admitted or decision.reason == "queue_full":
                     return decision
         finally:
@@ -408,7 +451,7 @@ class RedisLimiter(LimiterBackend):
         return decision
 
     async def _admit_once(
-        self, tenant: str, request_id: str, limits: Limits, reserve: int, *, queued: bool
+        self, tenant: str, request_id: str, limits: Limits, reserve: int, sequences: int, *, queued: bool
     ) -> Decision:
         args: list[int | str] = [
             request_id,
@@ -425,6 +468,7 @@ class RedisLimiter(LimiterBackend):
             self._max_waiters,
             self._channel,
             tenant,
+            sequences,
         ]
         reply = await self._run(self._admit, tenant, args)
         admitted, reason, retry_after, requests, reset_requests, tokens, reset_tokens = reply

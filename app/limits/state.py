@@ -3,16 +3,24 @@ the Redis backend runs the same steps in a Lua script (redis_backend.py), and on
 holds both to the same behaviour.
 
 Per tenant: a sliding-window log of admitted requests, a sliding window of token reservations (reconciled
-at release), concurrency leases with expiry, and a bounded FIFO queue of waiters that refresh their place
-by checking again (a waiter that stops checking drops out; the waiting backends check at least every
-HEARTBEAT_MS).
+at release), concurrency leases with expiry, each weighing the sequences its request runs (n x prompts),
+and a bounded FIFO queue of waiters that refresh their place by checking again (a waiter that stops
+checking drops out; the waiting backends check at least every HEARTBEAT_MS).
 """
 
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from app.limits.protocol import WINDOW_MS, Decision, Limits, Reason, WindowState, check_tokens
+from app.limits.protocol import (
+    WINDOW_MS,
+    Decision,
+    Limits,
+    Reason,
+    WindowState,
+    check_sequences,
+    check_tokens,
+)
 
 QUEUE_STALE_MS = 2_000  # a waiter that has not checked for this long has given up
 HEARTBEAT_MS = QUEUE_STALE_MS // 4  # a waiting backend re-checks at least this often, keeping its place
@@ -26,6 +34,7 @@ class _Tenant:
     tokens: OrderedDict[str, tuple[int, int]] = field(default_factory=OrderedDict)  # id -> (time, tokens)
     token_total: int = 0
     leases: dict[str, int] = field(default_factory=dict)  # id -> expiry (ms)
+    sequences: dict[str, int] = field(default_factory=dict)  # id -> its lease's weight, while it has one
     queue: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> last poll (ms), arrival order
 
 
@@ -47,18 +56,23 @@ class LimiterState:
         queued: bool,
         max_waiters: int | None = None,
         now: int | None = None,
+        sequences: int = 1,
     ) -> Decision:
         """`max_waiters`: a queued request that would be the tenant's waiter number max_waiters + 1 is
-        refused with `queue_full` (and the retry_after of the limit in its way) instead of joining."""
+        refused with `queue_full` (and the retry_after of the limit in its way) instead of joining.
+        `sequences`: what the lease weighs against max_concurrent."""
         reserve = check_tokens("reserve_tokens", reserve)  # before anything changes
+        sequences = check_sequences(sequences)
         now = self.now_ms() if now is None else now
         t = self._tenants.setdefault(tenant, _Tenant())
         self._expire(t, now)
         if limits.tpm is not None and reserve > limits.tpm:
             return self._decision(t, limits, now, admitted=False, reason="too_large", retry_after=0)
+        if limits.max_concurrent is not None and sequences > limits.max_concurrent:
+            return self._decision(t, limits, now, admitted=False, reason="too_many_sequences", retry_after=0)
         if queued:
             if request_id not in t.queue and max_waiters is not None and len(t.queue) >= max_waiters:
-                _, wait = self._blocked(t, limits, reserve, now) or ("queued", QUEUED_RETRY_MS)
+                _, wait = self._blocked(t, limits, reserve, sequences, now) or ("queued", QUEUED_RETRY_MS)
                 return self._decision(t, limits, now, admitted=False, reason="queue_full", retry_after=wait)
             t.queue.setdefault(request_id, now)
             t.queue[request_id] = now
@@ -66,7 +80,7 @@ class LimiterState:
                 return self._decision(
                     t, limits, now, admitted=False, reason="queued", retry_after=QUEUED_RETRY_MS
                 )
-        blocked = self._blocked(t, limits, reserve, now)
+        blocked = self._blocked(t, limits, reserve, sequences, now)
         if blocked is not None:
             reason, wait = blocked
             return self._decision(t, limits, now, admitted=False, reason=reason, retry_after=wait)
@@ -79,15 +93,23 @@ class LimiterState:
         t.tokens[request_id] = (now, reserve)
         t.token_total += reserve
         t.leases[request_id] = now + limits.lease_ttl_ms
+        t.sequences[request_id] = sequences
         return self._decision(t, limits, now, admitted=True, reason=None, retry_after=0)
 
-    def _blocked(self, t: _Tenant, limits: Limits, reserve: int, now: int) -> tuple[Reason, int] | None:
+    @staticmethod
+    def _held(t: _Tenant) -> int:
+        """Sequences the tenant's leases hold."""
+        return sum(t.sequences.get(lease, 1) for lease in t.leases)
+
+    def _blocked(
+        self, t: _Tenant, limits: Limits, reserve: int, sequences: int, now: int
+    ) -> tuple[Reason, int] | None:
         """The first limit this reservation would break, with when trying again can succeed; None: fits."""
         if limits.rpm is not None and len(t.requests) >= limits.rpm:
             return "requests", next(iter(t.requests.values())) + WINDOW_MS - now if t.requests else WINDOW_MS
         if limits.tpm is not None and t.token_total + reserve > limits.tpm:
             return "tokens", self._token_wait(t, limits.tpm - reserve, now)
-        if limits.max_concurrent is not None and len(t.leases) >= limits.max_concurrent:
+        if limits.max_concurrent is not None and self._held(t) + sequences > limits.max_concurrent:
             return "concurrency", CONCURRENCY_RETRY_MS
         return None
 
@@ -102,6 +124,7 @@ class LimiterState:
         if t is None:
             return
         t.leases.pop(request_id, None)
+        t.sequences.pop(request_id, None)
         entry = t.tokens.get(request_id)
         if entry is not None:  # still in the window: the minute's total reflects what was really used
             t.tokens[request_id] = (entry[0], used)
@@ -130,7 +153,7 @@ class LimiterState:
         return WindowState(
             requests=len(requests),
             tokens=sum(n for _, n in tokens),
-            in_flight=sum(1 for expiry in t.leases.values() if expiry > now),
+            in_flight=sum(t.sequences.get(i, 1) for i, expiry in t.leases.items() if expiry > now),
             queued=sum(1 for seen in t.queue.values() if seen > now - QUEUE_STALE_MS),
             reset_requests_ms=requests[-1] + WINDOW_MS - now if requests else 0,
             reset_tokens_ms=tokens[-1][0] + WINDOW_MS - now if tokens else 0,
@@ -148,6 +171,7 @@ class LimiterState:
             t.token_total -= tokens
         for lease_id in [i for i, expiry in t.leases.items() if expiry <= now]:
             del t.leases[lease_id]
+            t.sequences.pop(lease_id, None)
         for waiter in [i for i, seen in t.queue.items() if seen <= now - QUEUE_STALE_MS]:
             del t.queue[waiter]
 

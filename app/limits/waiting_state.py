@@ -10,7 +10,7 @@ All state changes happen on one thread without awaiting in between, so each chec
 
 import time
 
-from app.limits.protocol import Decision, Limits, WindowState, check_wait
+from app.limits.protocol import FINAL_REASONS, Decision, Limits, WindowState, check_wait
 from app.limits.state import HEARTBEAT_MS, LimiterState
 from app.limits.wakeups import Wakeups
 
@@ -22,12 +22,19 @@ class WaitingState:
         self._wakeups = Wakeups()
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve: int, *, wait_ms: int = 0
+        self,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        reserve: int,
+        *,
+        wait_ms: int = 0,
+        sequences: int = 1,
     ) -> Decision:
         wait_ms = check_wait(wait_ms)
         queued = wait_ms > 0
-        decision = self._check(tenant, request_id, limits, reserve, queued=queued)
-        if decision.admitted or not queued or decision.reason in ("too_large", "queue_full"):
+        decision = self._check(tenant, request_id, limits, reserve, sequences, queued=queued)
+        if decision.admitted or not queued or decision.reason in FINAL_REASONS:
             return decision
         deadline = time.monotonic() + wait_ms / 1000
         waiter = self._wakeups.join(tenant, request_id)
@@ -39,7 +46,7 @@ class WaitingState:
                 await waiter.nap(min(left, nap_ms / 1000))
                 if waiter.left:
                     break
-                decision = self._check(tenant, request_id, limits, reserve, queued=True)
+                decision = self._check(tenant, request_id, limits, reserve, sequences, queued=True)
                 if decision.admitted:
                     return decision
             return decision
@@ -48,9 +55,17 @@ class WaitingState:
             if not decision.admitted:  # timed out, left, or cancelled: give the place to the next one
                 self.leave_queue(tenant, request_id)
 
-    def _check(self, tenant: str, request_id: str, limits: Limits, reserve: int, *, queued: bool) -> Decision:
+    def _check(
+        self, tenant: str, request_id: str, limits: Limits, reserve: int, sequences: int, *, queued: bool
+    ) -> Decision:
         decision = self.state.admit(
-            tenant, request_id, limits, reserve, queued=queued, max_waiters=self.max_waiters
+            tenant,
+            request_id,
+            limits,
+            reserve,
+            queued=queued,
+            max_waiters=self.max_waiters,
+            sequences=sequences,
         )
         if decision.admitted and queued:  # the head went: the next one may fit too
             self._wake_head(tenant)

@@ -24,7 +24,9 @@ class TierLimitsOut(BaseModel):
 
     rpm: int | None = Field(description="Requests per minute.")
     tpm: int | None = Field(description="Tokens per minute (prompt + max_tokens, then what was used).")
-    max_concurrent: int | None = Field(description="Requests in flight at once.")
+    max_concurrent: int | None = Field(
+        description="Sequences in flight at once: each request counts its n x prompts choices."
+    )
     max_tokens_cap: int | None = Field(description="The largest max_tokens a request may ask for.")
     on_limit: Literal["reject", "queue"] = Field(description="Over a limit: 429 at once, or wait in a queue.")
     max_queue_ms: int = Field(description="How long a queued request may wait before its 429.")
@@ -39,7 +41,7 @@ class HeadroomOut(BaseModel):
     tokens: int = Field(description="Tokens counted in the last minute.")
     remaining_tokens: int | None
     reset_tokens_ms: int = Field(description="Until the token window is empty again.")
-    in_flight: int = Field(description="Requests running now.")
+    in_flight: int = Field(description="Sequences running now (each request counts its n x prompts).")
     remaining_concurrent: int | None
     queued: int = Field(description="Requests waiting in the queue.")
 

@@ -16,7 +16,13 @@ Tpm = Annotated[
     int, Field(strict=True, ge=1, le=LIMIT_MAX["tpm"], description="Tokens (prompt + completion) per minute.")
 ]
 MaxConcurrent = Annotated[
-    int, Field(strict=True, ge=1, le=LIMIT_MAX["max_concurrent"], description="Requests in flight at once.")
+    int,
+    Field(
+        strict=True,
+        ge=1,
+        le=LIMIT_MAX["max_concurrent"],
+        description="Sequences in flight at once (n x prompts per request).",
+    ),
 ]
 MaxTokensCap = Annotated[
     int,

@@ -300,12 +300,12 @@
       box.replaceChildren(
         meterRow("headroom-requests", "Requests", h.remaining_requests, l.rpm, "req/min", h.reset_requests_ms),
         meterRow("headroom-tokens", "Tokens", h.remaining_tokens, l.tpm, "tok/min", h.reset_tokens_ms),
-        meterRow("headroom-concurrent", "Concurrent", h.remaining_concurrent, l.max_concurrent, "slots", 0),
+        meterRow("headroom-concurrent", "Concurrent", h.remaining_concurrent, l.max_concurrent, "sequences", 0),
       );
     }
     const cap = l.max_tokens_cap === null ? "no max_tokens cap" : `max_tokens cap ${integer.format(l.max_tokens_cap)}`;
     const over = l.on_limit === "queue" ? `over a limit: queue up to ${decimal.format(l.max_queue_ms / 1000)} s` : "over a limit: 429 at once";
-    const inFlight = h === null ? "" : ` · ${h.in_flight} in flight, ${h.queued} queued`;
+    const inFlight = h === null ? "" : ` · ${h.in_flight} sequences in flight, ${h.queued} queued`;
     $("limits-detail").textContent = `${cap} · ${over}${inFlight}`;
   }
 

@@ -12,6 +12,7 @@ from deployments.engine.cpu_features import cpu_features
 Quantization = Literal["none", "nf4", "int8", "awq"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
+DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_LORA_TARGETS: tuple[str, ...] = (
     "q_proj",
     "k_proj",
@@ -88,14 +89,40 @@ class EngineConfig(BaseModel):
     kv_cache_memory_mb: int = Field(
         default=256, ge=1, description="KV-cache budget when num_kv_blocks unset."
     )
-    max_num_seqs: int = Field(default=64, ge=1, description="Sequences decoded together in one step.")
+    max_num_seqs: int = Field(
+        default=DEFAULT_MAX_NUM_SEQS,
+        ge=1,
+        description="Sequences decoded together in one step; also the most one request runs (n x prompts).",
+    )
     max_num_batched_tokens: int = Field(
         default=512, ge=16, description="Per-step token budget; long prompts are prefilled in chunks of it."
+    )
+    max_prompt_logprob_rows: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prompt positions whose logprobs one step computes; when unset, sized from "
+        "prompt_logprobs_memory_mb.",
+    )
+    prompt_logprobs_memory_mb: int = Field(
+        default=256,
+        ge=1,
+        description=(
+            "Device memory for one step's prompt logprobs (echo with logprobs): each position needs the "
+            "vocabulary's logits and their log-softmax in float32. A prompt asking for them is prefilled in "
+            "chunks of as many positions as fit (at least one), so a step never holds more."
+        ),
     )
     max_model_len: int | None = Field(
         default=None, ge=2, description="Context limit (prompt + output); defaults to the model's."
     )
-    max_waiting: int = Field(default=4096, ge=1, description="Queued requests beyond which add is refused.")
+    max_waiting: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Waiting sequences (each choice of each prompt counts) beyond which a request is refused; while "
+            "other tenants wait, one tenant's take at most half of them."
+        ),
+    )
     adapter_wait_bound_s: float = Field(
         default=1.0,
         ge=0,

@@ -55,6 +55,11 @@ class EngineOverloaded(EngineError):
     """The waiting queue is full; the caller should retry later or on another replica."""
 
 
+class QueueShareExceeded(EngineOverloaded):
+    """While others wait, one party's sequences may fill at most half of the waiting queue: this request
+    would take its party past that. The caller should retry later (or on another replica)."""
+
+
 class ReplicaLost(EngineStopped):
     """The engine replica serving a request died (or became unreachable) after the request had started
     delivering output elsewhere than a retry could hide."""

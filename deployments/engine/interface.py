@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from deployments.engine.config import DEFAULT_LORA_TARGETS, EngineConfig
+from deployments.engine.config import DEFAULT_LORA_TARGETS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from deployments.engine.errors import (
     DuplicateRequestId,
     EmptyPrompt,
@@ -24,6 +24,7 @@ from deployments.engine.errors import (
     InvalidRequest,
     InvalidSamplingParams,
     PromptTooLong,
+    QueueShareExceeded,
     ReplicaLost,
 )
 from deployments.engine.outputs import (
@@ -93,6 +94,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
+    "DEFAULT_MAX_NUM_SEQS",
     "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_N",
@@ -112,6 +114,7 @@ __all__ = [
     "InvalidSamplingParams",
     "LocalEngineClient",
     "PromptTooLong",
+    "QueueShareExceeded",
     "ReplicaLost",
     "RequestOutput",
     "RequestUsage",

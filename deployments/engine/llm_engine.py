@@ -23,6 +23,7 @@ from deployments.engine.errors import (
     EngineOverloaded,
     InvalidRequest,
     PromptTooLong,
+    QueueShareExceeded,
 )
 from deployments.engine.kv_cache import KVCache
 from deployments.engine.logprobs import logprob_table, prompt_positions, read_logprobs, token_logprobs
@@ -85,11 +86,19 @@ class LLMEngine:
             dtype=m.dtype,
             device=m.device,
         )
+        # Logits rows at prompt positions (echo): float32 logits and their log-softmax, vocab-wide each.
+        self.prompt_logprob_row_bytes = self.vocab_size * 2 * torch.float32.itemsize
+        self.prompt_logprob_rows = min(
+            config.max_num_batched_tokens,
+            config.max_prompt_logprob_rows
+            or max(1, config.prompt_logprobs_memory_mb * 2**20 // self.prompt_logprob_row_bytes),
+        )
         self.scheduler = Scheduler(
             self.blocks,
             self.adapters,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prompt_logprob_rows=self.prompt_logprob_rows,
             max_loras=m.max_loras,
             adapter_wait_bound_s=config.adapter_wait_bound_s,
         )
@@ -120,19 +129,23 @@ class LLMEngine:
         self.adapter_arrival_hits = 0
         self.aborts = 0  # requests stopped by abort() while still running or waiting
         self.generated_tokens = 0  # every output token sampled, aborted requests' included
-        # Where the device memory goes: what the operator sizes with kv_cache_memory_mb and lora_memory_mb,
-        # plus what the engine adds itself (step buffers, captured decode graphs).
+        self.prefill_tokens = 0  # prompt tokens run through the model (prefix-cache hits are not)
+        # Where the memory goes: what the operator sizes with kv_cache_memory_mb, lora_memory_mb and
+        # prompt_logprobs_memory_mb, plus what the engine adds itself (step buffers, captured decode graphs).
         self.memory_plan = {
             "weights": m.weights_bytes,
             "kv_cache": self.kv_cache.nbytes,
             "lora_slots": m.lora_slot_bytes,
+            "prompt_logprob_rows": self.prompt_logprob_rows * self.prompt_logprob_row_bytes,
             "step_buffers": self.runner.step_buffer_bytes,
             "decode_graphs": self.runner.graph_pool_bytes,
         }
         log.info(
-            "engine ready: %d KV blocks x %d tokens, max_model_len %d, LoRA kernel %s; memory (MiB): %s",
+            "engine ready: %d KV blocks x %d tokens, prompt logprobs %d rows a step, max_model_len %d, "
+            "LoRA kernel %s; memory (MiB): %s",
             num_blocks,
             config.block_size,
+            self.prompt_logprob_rows,
             self.max_model_len,
             m.lora_context.kernel_name,
             ", ".join(f"{k} {v / 2**20:.1f}" for k, v in self.memory_plan.items()),
@@ -180,7 +193,10 @@ class LLMEngine:
                     max_tokens=room if params.max_tokens is None else params.max_tokens,
                     generator=generator,
                     cache_salt=request.cache_salt,
-                    prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                    tenant=request.tenant,
+                    # The leader computes the prompt's logprobs; its other choices report them and
+                    # prefill from its cached blocks instead of recomputing every position.
+                    prompt_logprobs=None if params.prompt_logprobs is None or leader else [None],
                 )
                 leader = leader or seq
                 seqs.append(seq)
@@ -211,8 +227,19 @@ class LLMEngine:
         group_id = seqs[0].group_id
         if group_id in self._requests:
             raise DuplicateRequestId(group_id)
-        if len(self.scheduler.waiting) + len(seqs) > self.config.max_waiting:
-            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
+        waiting = len(self.scheduler.waiting)
+        if waiting + len(seqs) > self.config.max_waiting:
+            raise EngineOverloaded(f"{waiting} sequences are already waiting")
+        # Fair share: while others wait, one party's sequences take at most half of the queue, so one
+        # tenant's burst (n x prompts sequences a request) cannot fill it for everyone.
+        tenant = seqs[0].tenant
+        own = self.scheduler.waiting_of(tenant)
+        share = max(1, self.config.max_waiting // 2)
+        if waiting > own and own + len(seqs) > share:
+            raise QueueShareExceeded(
+                f"tenant {tenant!r} has {own} of {waiting} waiting sequences and asks for {len(seqs)} more; "
+                f"its share while others wait is {share}"
+            )
         adapter = seqs[0].adapter
         if adapter is not None:
             self.adapters.check(adapter)
@@ -411,10 +438,13 @@ class LLMEngine:
         )
 
     def _account(self, scheduled: list[ScheduledSequence], elapsed: float) -> None:
-        """Split the step's device time across its sequences by tokens processed; shares sum to elapsed."""
+        """Split the step's device time across its sequences by tokens processed (shares sum to elapsed), and
+        count the prompt positions the step ran."""
         total = sum(s.num_tokens for s in scheduled)
         for s in scheduled:
             s.seq.metrics.gpu_time += elapsed * s.num_tokens / total
+            prompt_end = min(s.seq.num_computed + s.num_tokens, s.seq.num_prompt_tokens)
+            self.prefill_tokens += max(0, prompt_end - s.seq.num_computed)  # num_computed has not moved yet
         self.busy_seconds += elapsed
         self.steps += 1
 
@@ -446,7 +476,7 @@ class LLMEngine:
             # bills what the engine had processed up to the last output it received.
             usage = self.usage_of(self._requests[seq.group_id])
             out = RequestOutput(seq.group_id, text, [token], usage=usage, index=seq.index)
-            return self._annotated(out, seq, logprob)
+            return self._annotated(self._with_prompt_logprobs(out, seq), seq, logprob)
         if delta_stop is None:  # flush held-back text; it may complete a stop string itself
             text += detok.finish()
             if detok.stop_reason is not None:
@@ -479,8 +509,14 @@ class LLMEngine:
             error=seq.error,
             index=seq.index,
         )
-        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
-            out.prompt_logprobs, seq.prompt_logprobs_sent = list(seq.prompt_logprobs), True
+        return self._with_prompt_logprobs(out, seq)
+
+    @staticmethod
+    def _with_prompt_logprobs(out: RequestOutput, seq: Sequence) -> RequestOutput:
+        """A choice's first output carries its prompt's logprobs (the leader's, shared by every choice)."""
+        shared = seq.shared_prompt_logprobs
+        if shared is not None and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = list(shared), True
         return out
 
     def usage_of(self, seqs: "Sequence | list[Sequence]") -> RequestUsage:
@@ -560,6 +596,7 @@ class LLMEngine:
             adapter_arrival_hits=self.adapter_arrival_hits,
             aborts=self.aborts,
             generated_tokens=self.generated_tokens,
+            prefill_tokens=self.prefill_tokens,
             adapter_disk_loads=dict(self.adapters.disk_loads),
         )
 

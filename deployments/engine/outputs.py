@@ -79,4 +79,5 @@ class EngineStats:
     adapter_arrival_hits: int = 0  # ...that found it here already (slot, CPU tier, or loading)
     aborts: int = 0  # requests aborted (the caller left) before they finished
     generated_tokens: int = 0  # output tokens sampled since start
+    prefill_tokens: int = 0  # prompt tokens run through the model since start (prefix-cache hits are not)
     adapter_disk_loads: dict[str, int] = field(default_factory=dict)  # ref -> reads from the store

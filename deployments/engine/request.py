@@ -19,6 +19,9 @@ class EngineRequest:
     # The rest of a list of prompts (/v1/completions): one request, one stream, one usage for all of them.
     # Prompt p's choice j (of params.n) has index p * n + j.
     more_prompts: tuple[list[int], ...] = ()
+    # Whom it is for, an opaque id (the ingress passes the tenant id; None is one more party): while
+    # others wait, one party's sequences take at most half of the engine's waiting queue.
+    tenant: str | None = None
 
     @property
     def prompts(self) -> list[list[int]]:

@@ -6,17 +6,20 @@ request whose adapter is not resident is skipped (it waits only for its own adap
 adapters batch first, while the adapter manager loads the queue's adapters ahead of need and frees slots
 by queued demand; the oldest waiter of a cold adapter gets the first slot that frees), and so is a
 further choice of a prompt whose first choice has not finished its prefill (it then reuses those blocks).
+A prompt that asks for its logprobs (echo) is prefilled in chunks that keep the step's logits rows at
+prompt positions within `max_prompt_logprob_rows`, the engine's memory plan for them.
 When KV blocks run out, the newest running sequences are preempted (their blocks freed, recomputed later
 from the prefix cache), and they go back to the front of the queue so nobody starves.
 """
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from adapters.errors import AdapterError
 from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
+from deployments.engine.logprobs import prompt_positions
 from deployments.engine.outputs import FinishReason
 from deployments.engine.sequence import Sequence, SequenceStatus
 
@@ -58,15 +61,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_loras: int,
         adapter_wait_bound_s: float = 0.0,
+        max_prompt_logprob_rows: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prompt_logprob_rows = max_prompt_logprob_rows or max_num_batched_tokens
         self._base_order = max_loras  # sort key putting base-model tokens after every slot
         self.adapter_wait_bound_s = adapter_wait_bound_s
         self.slot_preemptions = 0  # sequences preempted to hand their slot to an overdue adapter
         self.waiting: deque[Sequence] = deque()
+        self._waiting_by_tenant: Counter[str | None] = Counter()  # kept in step with `waiting`
         self.running: list[Sequence] = []  # oldest admission first
         self.num_preemptions = 0
         # Keep a few blocks free when admitting, so fresh admissions do not force immediate preemptions.
@@ -74,6 +80,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._waiting_by_tenant[seq.tenant] += 1
+
+    def waiting_of(self, tenant: str | None) -> int:
+        """Sequences of `tenant` in the waiting queue (queued, or preempted and waiting to resume)."""
+        return self._waiting_by_tenant[tenant]
+
+    def _unqueue(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self._waiting_by_tenant[seq.tenant] -= 1
+        if not self._waiting_by_tenant[seq.tenant]:
+            del self._waiting_by_tenant[seq.tenant]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,27 +98,36 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[])
         budget = self.max_num_batched_tokens
+        rows = self.max_prompt_logprob_rows  # logits rows at prompt positions left in this step
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget, rows)
             if n == 0:
                 continue
             if self._make_room(seq, n, out):
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
-        self._admit(budget, out)
+                rows -= len(prompt_positions(seq, seq.num_computed, n))
+        self._admit(budget, rows, out)
         out.scheduled.sort(key=lambda s: s.seq.slot if s.seq.slot >= 0 else self._base_order)
         return out
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int, rows: int) -> int:
+        """Tokens of `seq` to compute now: within the step's budget, and for a prompt whose logprobs it
+        gathers, within the logits rows left (each of its positions takes one)."""
+        n = min(seq.num_uncomputed, budget)
+        return min(n, rows) if seq.collects_prompt_logprobs else n
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take a sequence out of the scheduler for good and free what it holds."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
+            self._unqueue(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -124,6 +150,7 @@ class Scheduler:
         seq.metrics.num_preemptions += 1
         seq.metrics.queued = time.monotonic()
         self.waiting.appendleft(seq)
+        self._waiting_by_tenant[seq.tenant] += 1
         self.num_preemptions += 1
         out.preempted += 1
 
@@ -137,7 +164,7 @@ class Scheduler:
                 remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
         self.adapters.plan(queued, remaining)
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit(self, budget: int, rows: int, out: SchedulerOutput) -> None:
         if self.waiting:
             self._plan_adapters()
         overdue_served = False  # at most one slot taken by force per step: bounds the churn
@@ -146,6 +173,8 @@ class Scheduler:
                 return
             if seq.leader is not None and not seq.leader.prompt_done:
                 continue  # another choice of the same prompt: its prefill will be the leader's cached blocks
+            if seq.collects_prompt_logprobs and rows <= 0:
+                continue  # this step's logits rows for prompt logprobs are taken; others may still go
             if seq.adapter is not None:
                 try:
                     slot = self.adapters.acquire(seq.adapter)
@@ -162,7 +191,7 @@ class Scheduler:
                 seq.slot = slot
             first = seq.metrics.first_scheduled is None
             cached = 0 if seq.collects_prompt_logprobs else self.blocks.match_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget, rows)
             needed = self.blocks.blocks_needed(seq, seq.num_computed + n)
             if needed + self._watermark > self.blocks.num_free_blocks or not self.blocks.allocate(
                 seq, seq.num_computed + n
@@ -172,11 +201,12 @@ class Scheduler:
             if first:
                 seq.metrics.first_scheduled = time.monotonic()
                 seq.metrics.cached_prompt_tokens = cached
-            self.waiting.remove(seq)
+            self._unqueue(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+            rows -= len(prompt_positions(seq, seq.num_computed, n))
 
     def _overdue(self, seq: Sequence) -> bool:
         bound = self.adapter_wait_bound_s

@@ -67,9 +67,11 @@ class Sequence:
     # its prefill is a prefix-cache hit (n choices, one prefill).
     leader: Optional["Sequence"] = None
     matcher: Optional["GrammarMatcher"] = None  # structured output: the grammar state
-    # Prompt logprobs gathered so far (entry 0 is None: the first token has no context); None: not asked.
+    # Prompt logprobs gathered so far (entry 0 is None: the first token has no context); None: not asked,
+    # or not this sequence's to gather: a prompt's leader computes them once for all its choices.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    tenant: str | None = None  # whom it is for (EngineRequest.tenant): the waiting queue's fair share
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -81,6 +83,11 @@ class Sequence:
     def prompt_done(self) -> bool:
         """The whole prompt has been in the KV cache (and its blocks registered), or the sequence ended."""
         return self.is_finished or self.metrics.prompt_processed >= self.num_prompt_tokens
+
+    @property
+    def shared_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs this choice reports: its leader's (its own, if it leads); None: not asked."""
+        return (self.leader or self).prompt_logprobs
 
     @property
     def collects_prompt_logprobs(self) -> bool:

@@ -199,3 +199,39 @@ def test_aborting_a_request_ends_every_choice(llama: TinySetup) -> None:
     assert all(o.finish_reason is FinishReason.ABORT for o in outs)
     assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
     engine.close()
+
+
+def test_echo_with_n_choices_computes_the_prompts_logprobs_once(llama: TinySetup) -> None:
+    """Echo + logprobs with n = 8: the leader computes the prompt's logprobs and every choice reports them on
+    its first output; the other seven prefill from its cached blocks, so the engine runs the prompt about as
+    often as for n = 1 (each sibling computes at most its last partial block)."""
+    prompt = list(range(100, 250))  # 150 tokens: three chunks of 64
+
+    def run(n: int) -> tuple[dict[int, list[RequestOutput]], int]:
+        engine = make_engine(llama)
+        params = SamplingParams(
+            n=n, max_tokens=3, temperature=1.0, seed=11, prompt_logprobs=2, logprobs=1, ignore_eos=True
+        )
+        engine.add_request(EngineRequest("echo", prompt, params))
+        outs = drain(engine)["echo"]
+        prefilled = engine.stats().prefill_tokens
+        engine.close()
+        return _by_index(outs), prefilled
+
+    one, one_prefilled = run(1)
+    eight, eight_prefilled = run(8)
+    assert one_prefilled == len(prompt)
+    assert eight_prefilled <= len(prompt) + 7 * 4  # block_size 4: the siblings' partial last blocks
+    want = one[0][0].prompt_logprobs
+    assert want is not None and len(want) == len(prompt) and want[0] is None
+    for index, outs in eight.items():
+        first = outs[0].prompt_logprobs  # on the choice's first output, which carries a token too
+        assert outs[0].token_ids and first is not None and len(first) == len(prompt) and first[0] is None
+        for got, expected in zip(first[1:], want[1:], strict=True):
+            assert got is not None and expected is not None
+            assert got.token_id == expected.token_id and got.top[0][0] == expected.top[0][0]
+            assert got.logprob == pytest.approx(expected.logprob, abs=TOLERANCE)
+        assert all(out.prompt_logprobs is None for out in outs[1:]), f"choice {index}: prompt logprobs once"
+    assert [t for o in eight[0] for t in o.token_ids] == [t for o in one[0] for t in o.token_ids]
+    final = next(o for outs in eight.values() for o in outs if o.finished).usage
+    assert final is not None and final.prompt_tokens == len(prompt) and final.completion_tokens == 24

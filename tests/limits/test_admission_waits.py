@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from app.admission import Admission
-from app.errors import RateLimited
+from app.errors import RateLimited, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits, WindowState
 from app.limits.local_backend import LocalLimiter
 from app.limits.protocol import DEFAULT_MAX_WAITERS
@@ -29,10 +29,19 @@ class Recording:
         self.reasons: Counter[str | None] = Counter()
 
     async def admit(
-        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0
+        self,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        reserve_tokens: int,
+        *,
+        wait_ms: int = 0,
+        sequences: int = 1,
     ) -> Decision:
         self.admits += 1
-        decision = await self.backend.admit(tenant, request_id, limits, reserve_tokens, wait_ms=wait_ms)
+        decision = await self.backend.admit(
+            tenant, request_id, limits, reserve_tokens, wait_ms=wait_ms, sequences=sequences
+        )
         self.reasons[decision.reason] += 1
         return decision
 
@@ -106,3 +115,18 @@ async def test_an_unreachable_limiter_is_still_a_503_for_waiters() -> None:
 
     with pytest.raises(LimiterUnavailable):
         await acquire(Down(), "a", QUEUE)
+
+
+async def test_a_request_wider_than_its_tier_is_refused_without_waiting(backend: LimiterBackend) -> None:
+    """On a queue tier, 5 sequences against a concurrency of 4 never wait: a 400 at once, one admit call."""
+    recording = Recording(backend)
+    started = time.monotonic()
+    with pytest.raises(TooManySequences) as refused:
+        await Admission.acquire(
+            recording, tenant="wide", tier="t", request_id="r-wide", reserve=1, fail_open=False,
+            limits=Limits(max_concurrent=4, on_limit="queue", max_queue_ms=20_000), sequences=5,
+        )  # fmt: skip
+    assert time.monotonic() - started < 5 and recording.admits == 1
+    assert refused.value.status == 400 and "5 sequences" in refused.value.message
+    assert "tier t runs at most 4 sequences at once" in refused.value.message
+    assert (await backend.peek("wide")).queued == 0

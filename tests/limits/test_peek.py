@@ -114,7 +114,7 @@ async def test_redis_peek_writes_nothing(redis_url: str, redis_limiter: RedisLim
             await redis_limiter.peek(TENANT)
         assert [client.dump(key) for key in keys] == dumps
         # Expiry not pushed back either: the keys keep ageing as if nobody had looked.
-        assert len(live) == 5 and all(0 < client.pttl(k) < ttl for k, ttl in zip(live, ttls, strict=True))
+        assert len(live) == 6 and all(0 < client.pttl(k) < ttl for k, ttl in zip(live, ttls, strict=True))
     finally:
         client.close()
 
