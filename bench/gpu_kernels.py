@@ -9,7 +9,9 @@ head_dim 64, intermediate 5632) at batch 32 with 16 rank-16 adapters, each kerne
   silu_mul:    silu_and_mul vs F.silu(gate) * up;
   lora_qkv, lora_gate_up, lora_down: one shrink + one expand (fused members) vs today's LoRA kernel called
                once per member module (lora_kernels.select_kernel: grouped_mm on sm90 bf16);
-  awq_dequant: awq_dequantize of the gate projection vs the same dequantization in torch ops.
+  awq_dequant: awq_dequantize of the gate projection vs the same dequantization in torch ops;
+  awq_linear:  the fused int4 GEMM awq_linear at the batch vs torch dequantization + matmul (also: our
+               dequantization + matmul, and the dense bf16 matmul, for scale).
 Peers run in turns (bench.measure.Interleaved); each sample is the mean of --iters calls timed with CUDA
 events, both replayed from a CUDA graph of --iters calls (`graph`: device time, as the captured decode
 step runs them) and launched eagerly (`eager`: the host's launch cost included; Triton's Python launcher
@@ -17,6 +19,7 @@ costs tens of microseconds, more than most of these kernels run). `ratios` are t
 replays (above 1: ours is faster), `ratios_eager` from the eager calls; medians of per-round ratios.
 
 Run:  python -m bench.gpu_kernels [--contexts 1024,4096] [--repeats 7] [--iters 50]   (CUDA)
+      python -m bench.gpu_kernels --sweep  (CUDA: graph times over the kernels' tuning knobs)
       python -m bench.gpu_kernels --tiny   (tiny shapes; through Triton's interpreter where no CUDA exists)
 The last line is one JSON object.
 """
@@ -28,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -222,21 +225,83 @@ def lora_peers(
     return {"torch": today, "ours": ours}
 
 
-def awq_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Callable[[], object]]:
+def awq_peers(
+    s: Shape, dtype: torch.dtype, device: torch.device
+) -> dict[str, dict[str, Callable[[], object]]]:
+    """The gate projection's weights in AWQ int4: dequantization alone, and the whole linear at the batch."""
     from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
+    from deployments.engine.gpu_kernels.awq_gemm import awq_linear
 
     group, k, n = 128 if s.hidden >= 128 else 16, s.hidden, s.inter
     qweight = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device=device)
     qzeros = torch.randint(-(2**31), 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device=device)
-    scales = torch.rand(k // group, n, device=device).to(dtype)
+    scales = (torch.rand(k // group, n, device=device) * 0.01).to(dtype)
     shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], device=device)
+    x = torch.randn(s.batch, k, dtype=dtype, device=device)
+    dense = torch.randn(k, n, dtype=dtype, device=device)
+    out = torch.empty(s.batch, n, dtype=dtype, device=device)
 
     def torch_dequant() -> torch.Tensor:
         codes = ((qweight[..., None] >> shifts) & 0xF).flatten(1)
         zeros = ((qzeros[..., None] >> shifts) & 0xF).flatten(1).repeat_interleave(group, 0)
         return ((codes - zeros) * scales.repeat_interleave(group, 0)).to(dtype)
 
-    return {"torch": torch_dequant, "ours": partial(awq_dequantize, qweight, qzeros, scales, group)}
+    dequant = partial(awq_dequantize, qweight, qzeros, scales, group)
+    return {
+        "awq_dequant": {"torch": torch_dequant, "ours": dequant},
+        # torch: dequantize in torch ops, then matmul; dense: the bf16 weight's own matmul, for scale
+        "awq_linear": {
+            "torch": lambda: x @ torch_dequant(),
+            "ours": partial(awq_linear, x, qweight, qzeros, scales, group, out=out),
+            "ours_dequant_mm": lambda: x @ dequant(),
+            "dense": lambda: x @ dense,
+        },
+    }
+
+
+def sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Graph-replayed microseconds of each kernel knob setting: what the defaults were chosen from."""
+    from deployments.engine.gpu_kernels.awq_gemm import awq_linear
+
+    device = torch.device("cuda")
+    found: dict[str, dict[str, float]] = {}
+    for batch in (8, 32, 128):
+        for context in (1024, 4096):
+            peers = attention_peers(Shape(**{**vars(s), "batch": batch}), context, dtype, device)
+            run = cast(Callable[..., object], peers["ours"])  # a partial of paged_decode_attention
+            row = found[f"attention_B{batch}_ctx{context}"] = {}
+            for block_n in (32, 64, 128):
+                for parts in (1, 2, 4, 8, 16):
+                    replay = graphed(partial(run, partitions=parts, block_n=block_n), 20)
+                    if replay is not None:
+                        row[f"n{block_n}_p{parts}"] = round(graph_timer(replay, 20), 1)
+            print(f"attention B={batch} ctx={context}", row, flush=True)
+    group = 128
+    for m, k, n in (
+        (8, s.hidden, s.hidden),
+        (32, s.hidden, s.inter),
+        (32, s.inter, s.hidden),
+        (256, s.hidden, s.inter),
+    ):
+        qweight = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device=device)
+        qzeros = torch.randint(-(2**31), 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device=device)
+        scales = (torch.rand(k // group, n, device=device) * 0.01).to(dtype)
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        dense = torch.randn(k, n, dtype=dtype, device=device)
+        row = found[f"awq_linear_M{m}_K{k}_N{n}"] = {}
+        replay = graphed(partial(torch.matmul, x, dense), 20)
+        row["dense"] = round(graph_timer(replay, 20), 1) if replay else float("nan")
+        for split in (1, 4, 8, 16):
+            for block_n, block_k in ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128)):
+                for warps in (4, 8):
+                    fn = partial(awq_linear, x, qweight, qzeros, scales, group, out=out, split_k=split,
+                                 block_n=block_n, block_k=block_k, num_warps=warps)  # fmt: skip
+                    replay = graphed(fn, 20)
+                    if replay is not None:
+                        row[f"s{split}_n{block_n}_k{block_k}_w{warps}"] = round(graph_timer(replay, 20), 1)
+        print(f"awq_linear M={m} K={k} N={n}", row, flush=True)
+    return found
 
 
 def main() -> None:
@@ -248,6 +313,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="rounds of every peer")
     parser.add_argument("--iters", type=int, default=50, help="calls per timed sample")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, one round: checks the bench runs")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="CUDA: graph times of the tuning knobs (attention, awq_linear) instead",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -261,6 +331,11 @@ def main() -> None:
         result.update(
             skipped="Triton is not installed", kernels_us={}, ratios={}, machine=machine(args.dtype)
         )
+        print(json.dumps(result))
+        return
+    if args.sweep and cuda:
+        result["sweep"] = sweep(BENCH_1B, getattr(torch, args.dtype))
+        result["machine"] = machine(args.dtype)
         print(json.dumps(result))
         return
     shape, device = (TINY, torch.device("cpu")) if args.tiny else (BENCH_1B, torch.device("cuda"))
@@ -278,7 +353,7 @@ def main() -> None:
                                device),
         "lora_gate_up": lora_peers(s, s.hidden, (s.inter, s.inter), dtype, device),
         "lora_down": lora_peers(s, s.inter, (s.hidden,), dtype, device),
-        "awq_dequant": awq_peers(s, dtype, device),
+        **awq_peers(s, dtype, device),
     }  # fmt: skip
     from deployments.engine.gpu_kernels.paged_attention import num_partitions
 
@@ -306,7 +381,7 @@ def main() -> None:
             peer, mode = key.split(":")
             if peer == "torch" or f"torch:{mode}" not in timed:
                 continue
-            label = name if peer == "ours" else f"{name}_{peer.removeprefix('ours_')}"
+            label = name if peer == "ours" else f"{name}_{peer.removeprefix('ours_')}"  # torch / that peer
             ratio = round(runs.ratio(f"torch:{mode}", key)["median"], 2)
             (ratios if mode == "graph" or not cuda else ratios_eager)[label] = ratio
         print(name, kernels[name], flush=True)

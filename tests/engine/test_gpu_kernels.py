@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from app.modelprep.awq_export import quantize_linear_weight
 from deployments.engine.gpu_kernels.activation import silu_and_mul
 from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
+from deployments.engine.gpu_kernels.awq_gemm import awq_linear
 from deployments.engine.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
 from deployments.engine.gpu_kernels.paged_attention import (
     _attend_kernel,
@@ -444,6 +445,31 @@ def test_awq_dequantize_reproduces_the_cpu_awq_layer(device: torch.device) -> No
         assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize(
+    ("rows", "k", "n", "group", "dtype"),
+    [(5, 64, 96, 32, torch.float16), (40, 128, 72, 64, torch.float32), (17, 256, 64, 128, torch.float16)],
+)
+def test_awq_linear_is_x_times_the_dequantized_weight(
+    rows: int, k: int, n: int, group: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """The fused int4 GEMM: several K tiles per group (group 128), partial row and column blocks, x as a
+    strided view; the same weights as awq_dequantize, summed in another order."""
+    packed = quantize_linear_weight(
+        randn(n, k, dtype=torch.float32, device=torch.device("cpu"), seed=32), group
+    )
+    qweight, qzeros, scales = (
+        packed.qweight.to(device),
+        packed.qzeros.to(device),
+        packed.scales.to(device, dtype),
+    )
+    x = randn(rows, k + 8, dtype=dtype, device=device, seed=33)[:, :k]
+    want = (x.float() @ awq_dequantize(qweight, qzeros, scales, group).float()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for split_k in (1, 2):  # 2: whole groups per split, partial sums added in a fixed order
+        got = awq_linear(x, qweight, qzeros, scales, group, split_k=split_k)
+        torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
 # ----------------------------------------------------------------------------------- without Triton
 
 
@@ -452,8 +478,8 @@ def test_the_kernel_modules_import_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from deployments.engine.gpu_kernels import activation, awq_dequant, lora_sgmv, paged_attention,"
-        " rms_norm, rotary_cache\n"
+        "from deployments.engine.gpu_kernels import activation, awq_dequant, awq_gemm, lora_sgmv\n"
+        "from deployments.engine.gpu_kernels import paged_attention, rms_norm, rotary_cache\n"
         "try:\n"
         "    rms_norm.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)\n"
         "except RuntimeError as e:\n"
@@ -507,6 +533,7 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
         "act": torch.empty(batch, inter, dtype=dtype, device=dev),
         "h": torch.empty(batch, 2 * rank, device=dev),
         "y": torch.empty(batch, 2 * inter, dtype=dtype, device=dev),
+        "awq_y": torch.empty(batch, inter, dtype=torch.float16, device=dev),
     }
 
     def step() -> torch.Tensor:
@@ -523,6 +550,7 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
         outs["y"].zero_()
         lora_shrink(x, a, seg_ends, outs["h"])
         lora_expand(outs["h"], b, seg_ends, outs["y"], splits=(inter, inter))
+        awq_linear(x, qweight, qzeros, scales, 32, out=outs["awq_y"])
         return awq_dequantize(qweight, qzeros, scales, 32)
 
     def set_metadata(seed: int) -> None:
