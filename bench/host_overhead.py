@@ -99,8 +99,9 @@ def decode_round(
 ) -> dict[str, float]:
     """Per-step phase means over `steps` decode steps with the whole batch decoding (prefill untimed)."""
     add_batch(engine, refs, prompt_len=16, tokens=steps + 2)
+    engine.step()  # the prefill: every prompt fits one step's token budget
     while engine.has_unfinished() and engine.last_step_tokens != len(refs):
-        engine.step()  # prefill (and the first decode)
+        engine.step()  # until the whole batch decodes
     clock.reset()
     while engine.has_unfinished():
         clock.step()
