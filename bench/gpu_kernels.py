@@ -7,8 +7,12 @@ head_dim 64, intermediate 5632) at batch 32 with 16 rank-16 adapters, each kerne
   rotary:      rotary_and_cache vs HF apply_rotary_pos_emb + the two cache index_copy_ calls;
   rms_norm:    the fused residual add + RMSNorm vs HF's (residual + x, LlamaRMSNorm);
   silu_mul:    silu_and_mul vs F.silu(gate) * up;
-  lora_qkv, lora_gate_up, lora_down: one shrink + one expand (fused members) vs today's LoRA kernel called
-               once per member module (lora_kernels.select_kernel: grouped_mm on sm90 bf16);
+  lora_qkv, lora_o, lora_gate_up, lora_down (decode: the batch's tokens; _prefill: 4096 tokens), each
+               spread evenly over the adapters: our fused kernel (lora_delta, one launch a group) and our
+               shrink + expand pair (`_pair`) vs today's LoRA kernel called once per member module
+               (lora_kernels.select_kernel: grouped_mm on sm90 bf16). `lora_fused_vs_pair`: pair / fused
+               time (above 1: the fused kernel is faster); `lora_layer_us`: a layer's four groups summed
+               (times 22 layers: bench-1b's LoRA cost a step);
   awq_dequant: awq_dequantize of the gate projection vs the same dequantization in torch ops;
   awq_linear:  the fused int4 GEMM awq_linear at the batch vs torch dequantization + matmul (also: our
                dequantization + matmul, and the dense bf16 matmul, for scale).
@@ -19,7 +23,8 @@ costs tens of microseconds, more than most of these kernels run). `ratios` are t
 replays (above 1: ours is faster), `ratios_eager` from the eager calls; medians of per-round ratios.
 
 Run:  python -m bench.gpu_kernels [--contexts 1024,4096] [--repeats 7] [--iters 50]   (CUDA)
-      python -m bench.gpu_kernels --sweep  (CUDA: graph times over the kernels' tuning knobs)
+      python -m bench.gpu_kernels --only lora   (CUDA: the LoRA groups alone)
+      python -m bench.gpu_kernels --sweep [lora]  (CUDA: graph times over the kernels' tuning knobs)
       python -m bench.gpu_kernels --tiny   (tiny shapes; through Triton's interpreter where no CUDA exists)
 The last line is one JSON object.
 """
@@ -50,13 +55,13 @@ class Shape:
     adapters: int
     rank: int
     block_size: int
+    prefill_tokens: int  # a prefill step's tokens (the LoRA kernels' other regime)
 
 
 BENCH_1B = Shape(hidden=2048, heads=32, kv_heads=4, head_dim=64, inter=5632, batch=32, adapters=16, rank=16,
-                 block_size=16)  # fmt: skip
-TINY = Shape(
-    hidden=64, heads=4, kv_heads=2, head_dim=16, inter=64, batch=2, adapters=2, rank=16, block_size=4
-)
+                 block_size=16, prefill_tokens=4096)  # fmt: skip
+TINY = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=64, batch=2, adapters=2, rank=16,
+             block_size=4, prefill_tokens=300)  # fmt: skip
 
 
 def timer(fn: Callable[[], object], iters: int, cuda: bool) -> float:
@@ -188,41 +193,71 @@ def silu_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, 
 
 
 def lora_peers(
-    s: Shape, in_features: int, splits: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    s: Shape,
+    in_features: int,
+    splits: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    tokens: int | None = None,
 ) -> dict[str, Callable[[], object]]:
+    """One projection group's adapters over `tokens` (default: the decode batch) spread evenly over the
+    adapters: today's per-member kernel, our fused one-launch kernel, and our shrink + expand pair."""
+    from deployments.engine.gpu_kernels.lora_delta import lora_delta
     from deployments.engine.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
     from deployments.engine.lora_kernels import LoRABatch, select_kernel
 
-    per = s.batch // s.adapters  # decode: the batch spread evenly over the adapters
+    t = tokens or s.batch
+    per = t // s.adapters
     segments = [(a, a * per, (a + 1) * per) for a in range(s.adapters)]
     batch = LoRABatch(
-        num_lora_tokens=s.batch,
+        num_lora_tokens=per * s.adapters,
         offsets=torch.tensor([e for _, _, e in segments], dtype=torch.int32, device=device),
         segments=segments,
         segment_table=torch.tensor(segments, dtype=torch.int64),
     )
     members = len(splits)
-    x = torch.randn(s.batch, in_features, dtype=dtype, device=device)
+    x = torch.randn(t, in_features, dtype=dtype, device=device)
     a = torch.randn(s.adapters, in_features, members * s.rank, dtype=dtype, device=device) * 0.02
     b = torch.randn(s.adapters, s.rank, sum(splits), dtype=dtype, device=device) * 0.02
-    y = torch.zeros(s.batch, sum(splits), dtype=dtype, device=device)
+    y = torch.zeros(t, sum(splits), dtype=dtype, device=device)
     # Today: one module per member, each with its own contiguous slot tensors.
     starts = [sum(splits[:p]) for p in range(members)]
     member_a = [a[:, :, p * s.rank : (p + 1) * s.rank].contiguous() for p in range(members)]
     member_b = [b[:, :, c : c + w].contiguous() for c, w in zip(starts, splits, strict=True)]
-    member_y = [torch.zeros(s.batch, w, dtype=dtype, device=device) for w in splits]
+    member_y = [torch.zeros(t, w, dtype=dtype, device=device) for w in splits]
     _, kernel = select_kernel(dtype, device, {in_features, *splits, s.rank})
-    h = torch.empty(s.batch, members * s.rank, dtype=torch.float32, device=device)
+    h = torch.empty(t, members * s.rank, dtype=torch.float32, device=device)
 
     def today() -> None:
         for p in range(members):
             kernel(member_y[p], x, member_a[p], member_b[p], batch)
 
-    def ours() -> None:
+    def pair() -> None:
         lora_shrink(x, a, batch.offsets, h)
         lora_expand(h, b, batch.offsets, y, splits=splits)
 
-    return {"torch": today, "ours": ours}
+    return {
+        "torch": today,
+        "ours": partial(lora_delta, x, a, b, batch.offsets, y, splits=splits),
+        "ours_pair": pair,
+    }
+
+
+def lora_groups(
+    s: Shape, dtype: torch.dtype, device: torch.device
+) -> dict[str, dict[str, Callable[[], object]]]:
+    """The four LoRA groups of a layer (all-linear adapters) at decode and at prefill."""
+    shapes = {
+        "qkv": (s.hidden, (s.heads * s.head_dim, *(2 * [s.kv_heads * s.head_dim]))),
+        "o": (s.heads * s.head_dim, (s.hidden,)),
+        "gate_up": (s.hidden, (s.inter, s.inter)),
+        "down": (s.inter, (s.hidden,)),
+    }
+    groups: dict[str, dict[str, Callable[[], object]]] = {}
+    for suffix, tokens in (("", s.batch), ("_prefill", s.prefill_tokens)):
+        for name, (k, splits) in shapes.items():
+            groups[f"lora_{name}{suffix}"] = lora_peers(s, k, splits, dtype, device, tokens)
+    return groups
 
 
 def awq_peers(
@@ -301,6 +336,58 @@ def sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
                     if replay is not None:
                         row[f"s{split}_n{block_n}_k{block_k}_w{warps}"] = round(graph_timer(replay, 20), 1)
         print(f"awq_linear M={m} K={k} N={n}", row, flush=True)
+    found.update(lora_sweep(s, dtype, device))
+    return found
+
+
+def _powers(first: int, cover: int) -> list[int]:
+    """first, 2 first, ... up to the first that reaches `cover`."""
+    found = [first]
+    while found[-1] < cover:
+        found.append(2 * found[-1])
+    return found
+
+
+def lora_sweep(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, dict[str, float]]:
+    """lora_delta's column chunk (programs vs re-reads of A and the x tile) per group and regime, the
+    default (delta_config's cost model) marked."""
+    from dataclasses import replace
+
+    from deployments.engine.gpu_kernels.lora_delta import DeltaShape, delta_config, sm_count
+
+    found: dict[str, dict[str, float]] = {}
+    for name, peers in lora_groups(s, dtype, device).items():
+        run = cast(partial[object], peers["ours"])  # a partial of lora_delta
+        x, a, b, _, y = run.args
+        splits = run.keywords["splits"]
+        default = delta_config(
+            DeltaShape(x.shape[0], a.shape[0], splits, x.shape[1], b.shape[1], x.element_size(),
+                       b.element_size(), y.element_size(), sm_count(device))
+        )  # fmt: skip
+        row = found[f"{name}_T{x.shape[0]}"] = {"default_columns": float(default.columns)}
+        trials = {f"c{c}": replace(default, columns=c) for c in _powers(default.block_n, max(splits))}
+        trials.update(  # K steps and pipeline depth at the default chunk
+            {
+                f"k{k}_s{st}": replace(default, block_k=k, num_stages=st)
+                for k, st in ((64, 3), (128, 3), (256, 3), (256, 4), (512, 3))
+            }
+        )
+        for label, config in trials.items():
+            replay = graphed(partial(run, config=config), 20)
+            if replay is not None:
+                row[label] = round(graph_timer(replay, 20), 1)
+        print(name, row, flush=True)
+    return found
+
+
+def layer_lora_us(kernels: dict[str, Any], mode: str) -> dict[str, float]:
+    """One layer's four LoRA groups (all-linear adapters) summed, per regime and peer, where all ran."""
+    found: dict[str, float] = {}
+    for regime, suffix in (("decode", ""), ("prefill", "_prefill")):
+        times = [kernels.get(f"lora_{g}{suffix}", {}) for g in ("qkv", "o", "gate_up", "down")]
+        for peer in ("torch", "ours", "ours_pair"):
+            if all(f"{peer}:{mode}" in t for t in times):
+                found[f"{regime}_{peer}"] = round(sum(t[f"{peer}:{mode}"] for t in times), 2)
     return found
 
 
@@ -314,9 +401,17 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50, help="calls per timed sample")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, one round: checks the bench runs")
     parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated prefixes of the groups to run (e.g. `lora`: the LoRA groups alone)",
+    )
+    parser.add_argument(
         "--sweep",
-        action="store_true",
-        help="CUDA: graph times of the tuning knobs (attention, awq_linear) instead",
+        nargs="?",
+        const="all",
+        choices=["all", "lora"],
+        help="CUDA: graph times of the tuning knobs (attention, awq_linear, lora_delta; or lora_delta's "
+        "only) instead",
     )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -334,7 +429,11 @@ def main() -> None:
         print(json.dumps(result))
         return
     if args.sweep and cuda:
-        result["sweep"] = sweep(BENCH_1B, getattr(torch, args.dtype))
+        dtype = getattr(torch, args.dtype)
+        if args.sweep == "lora":
+            result["sweep"] = lora_sweep(BENCH_1B, dtype, torch.device("cuda"))
+        else:
+            result["sweep"] = sweep(BENCH_1B, dtype)
         result["machine"] = machine(args.dtype)
         print(json.dumps(result))
         return
@@ -349,12 +448,12 @@ def main() -> None:
         "rotary": rotary_peers(s, dtype, device),
         "rms_norm": rms_norm_peers(s, dtype, device),
         "silu_mul": silu_peers(s, dtype, device),
-        "lora_qkv": lora_peers(s, s.hidden, (s.heads * s.head_dim, *(2 * [s.kv_heads * s.head_dim])), dtype,
-                               device),
-        "lora_gate_up": lora_peers(s, s.hidden, (s.inter, s.inter), dtype, device),
-        "lora_down": lora_peers(s, s.inter, (s.hidden,), dtype, device),
+        **lora_groups(s, dtype, device),
         **awq_peers(s, dtype, device),
     }  # fmt: skip
+    if args.only:
+        prefixes = tuple(args.only.split(","))
+        groups = {name: peers for name, peers in groups.items() if name.startswith(prefixes)}
     from deployments.engine.gpu_kernels.paged_attention import num_partitions
 
     result["attention_partitions"] = {
@@ -363,6 +462,8 @@ def main() -> None:
     kernels: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     ratios_eager: dict[str, float] = {}
+    fused_vs_pair: dict[str, float] = {}
+    kept = "graph" if cuda else "eager"  # the times the summaries below use
     for name, peers in groups.items():
         for fn in peers.values():  # warm: compiles every kernel variant
             fn()
@@ -384,10 +485,14 @@ def main() -> None:
             label = name if peer == "ours" else f"{name}_{peer.removeprefix('ours_')}"  # torch / that peer
             ratio = round(runs.ratio(f"torch:{mode}", key)["median"], 2)
             (ratios if mode == "graph" or not cuda else ratios_eager)[label] = ratio
+        if f"ours_pair:{kept}" in timed and f"ours:{kept}" in timed:
+            fused_vs_pair[name] = round(runs.ratio(f"ours_pair:{kept}", f"ours:{kept}")["median"], 2)
         print(name, kernels[name], flush=True)
+    lora_layer_us = layer_lora_us(kernels, kept)
     result.update(
         dtype=str(dtype).removeprefix("torch."), shape=vars(s), contexts=contexts, repeats=repeats,
         iters=iters, kernels_us=kernels, ratios=ratios, ratios_eager=ratios_eager,
+        lora_fused_vs_pair=fused_vs_pair, lora_layer_us=lora_layer_us,
         machine=machine(str(dtype).removeprefix("torch.")),
     )  # fmt: skip
     print(json.dumps(result))

@@ -5,8 +5,9 @@ Picked once at load, each part on its own:
 - **fused base** (CUDA, plain linears): the members share one concatenated weight, so q/k/v is one GEMM and
   gate/up another; their own `weight` becomes a view of it (no second copy).
 - **group LoRA** (CUDA with Triton): the members' adapter slots live in one concatenated A [slots, in,
-  members x rank] and one B [slots, rank, total out], so the group's adapters cost one shrink and one expand
-  launch (gpu_kernels/lora_sgmv.py); with a quantized base, one shrink and an expand per member. Each
+  members x rank] and one B [slots, rank, total out], so the group's adapters cost one launch, shrink and
+  expand fused (gpu_kernels/lora_delta.py); with a quantized base, whose members write separate outputs,
+  one launch per member. Each
   member's `lora_a`/`lora_b` become views of those buffers: adapter loads still write through
   `MultiLoRALinear.load_slot`, in place, so a captured CUDA graph that reads them stays valid when a slot
   changes.
@@ -62,26 +63,22 @@ class Projection:
         return y
 
     def _fused_lora(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch) -> None:
-        from deployments.engine.gpu_kernels import lora_sgmv
+        from deployments.engine.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
-        h = torch.empty(x.shape[0], self.lora_a.shape[2], dtype=torch.float32, device=x.device)
-        lora_sgmv.lora_shrink(x, self.lora_a, lora.offsets, h)
-        lora_sgmv.lora_expand(h, self.lora_b, lora.offsets, y, splits=tuple(self.widths))
+        lora_delta(x, self.lora_a, self.lora_b, lora.offsets, y, splits=tuple(self.widths))
 
     def _member_lora(self, x: torch.Tensor, outs: list[torch.Tensor], lora: LoRABatch) -> None:
-        from deployments.engine.gpu_kernels import lora_sgmv
+        """Each member's output is its own base's tensor: one launch per member, each reading only its
+        own R columns of the group's A."""
+        from deployments.engine.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
-        h = torch.empty(x.shape[0], self.lora_a.shape[2], dtype=torch.float32, device=x.device)
-        lora_sgmv.lora_shrink(x.to(self.lora_a.dtype), self.lora_a, lora.offsets, h)
         rank = self.lora_b.shape[1]
         at = 0
         for i, (y, width) in enumerate(zip(outs, self.widths, strict=True)):
-            b = self.lora_b[:, :, at : at + width]
-            lora_sgmv.lora_expand(
-                h[:, i * rank : (i + 1) * rank].contiguous(), b, lora.offsets, y, splits=(width,)
-            )
+            a = self.lora_a[:, :, i * rank : (i + 1) * rank]
+            lora_delta(x, a, self.lora_b[:, :, at : at + width], lora.offsets, y, splits=(width,))
             at += width
 
     def _fuse_base(self) -> None:

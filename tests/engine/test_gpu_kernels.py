@@ -14,17 +14,30 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from app.modelprep.awq_export import quantize_linear_weight
 from deployments.engine.gpu_kernels.activation import silu_and_mul
 from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
 from deployments.engine.gpu_kernels.awq_gemm import awq_linear
+from deployments.engine.gpu_kernels.lora_delta import (
+    DECODE_TOKENS,
+    DEFAULT_SMS,
+    DeltaConfig,
+    DeltaShape,
+    chunks_of,
+    delta_config,
+    lora_delta,
+    row_tiles,
+)
 from deployments.engine.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
 from deployments.engine.gpu_kernels.paged_attention import (
     _attend_kernel,
@@ -34,8 +47,11 @@ from deployments.engine.gpu_kernels.paged_attention import (
 from deployments.engine.gpu_kernels.rms_norm import rms_norm
 from deployments.engine.gpu_kernels.rotary_cache import rotary_and_cache, rotary_table
 from deployments.engine.lora_kernels import LoRABatch, loop_kernel
+from deployments.engine.lora_layers import LoRAContext, MultiLoRALinear
+from deployments.engine.projection import Projection
 
 ROOT = Path(__file__).resolve().parents[2]
+Result = TypeVar("Result")
 CUDA = torch.cuda.is_available()
 
 
@@ -75,6 +91,20 @@ def assert_within_ulps(
     tol = ulps * info.eps * want.float().abs().clamp_min(info.tiny)
     err = (got.float() - want.float()).abs()
     assert bool((err <= tol).all()), f"max error {err.max().item()} over {ulps} ulps"
+
+
+def captured(step: Callable[[], Result]) -> tuple[torch.cuda.CUDAGraph, Result]:
+    """step run once on a side stream (compiling every kernel outside the capture), then captured; the
+    graph and what the captured call returned. Capture fails on a host sync."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -335,48 +365,226 @@ class LoRACase:
     ends: list[int]
     tokens: int
     k: int
+    index_dtype: torch.dtype = torch.int32
 
 
 LORA_CASES = {
-    # the fused q/k/v expand; an empty slot, a slot of one token, a segment over three row blocks, two
-    # rows without an adapter; a and y are strided views of wider buffers
+    # q/k/v: an empty slot, a one-token slot, a segment over three 16-row tiles, two rows without adapters
     "qkv-rank16-fp32": LoRACase(torch.float32, torch.float32, 16, (32, 16, 16), [3, 3, 4, 38], 40, 48),
-    # gate/up, rank 4 (padded to 16 for tl.dot), the first slot empty, fp16
-    "gate-up-rank4-fp16": LoRACase(torch.float16, torch.float16, 4, (48, 48), [0, 5, 5], 6, 32),
-    # widths no column block divides (one launch per member); rank 64; fp32 activations, fp16 adapters
+    # gate/up, rank 4 (padded to 16 for tl.dot), the first slot empty, fp16, the engine's int64 ends
+    "gate-up-rank4-fp16": LoRACase(torch.float16, torch.float16, 4, (48, 48), [0, 5, 5], 6, 32, torch.int64),
+    # widths no column block divides, rank 64, fp32 activations and fp16 adapters
     "uneven-rank64-mixed": LoRACase(torch.float16, torch.float32, 64, (40, 24, 8), [2, 7], 9, 40),
+    # one token (T = 1), one member (down), its slot the middle one
+    "one-token-down": LoRACase(torch.float32, torch.float32, 16, (40,), [0, 1, 1], 1, 24),
+    # every slot one row past a tile: the tiles reach lora_delta's grid bound T // 16 + S exactly
+    "tight-tile-bound": LoRACase(torch.float32, torch.float32, 8, (16, 32), [17, 18, 19, 20], 20, 16),
+    # prefill blocks (T > DECODE_TOKENS: 64-row tiles), segments over several tiles, ten rows without
+    "prefill-300-tokens": LoRACase(
+        torch.float32, torch.float32, 16, (64, 32), [0, 70, 71, 200, 200, 290], 300, 32, torch.int64
+    ),
+    # five members: lora_delta launches twice (four members a launch), lora_expand once per member
+    "five-members-rank4": LoRACase(torch.float16, torch.float16, 4, (16, 16, 32, 16, 16), [4, 9], 11, 16),
 }
+
+
+@dataclass(frozen=True)
+class LoRAOperands:
+    x: torch.Tensor  # a view with a row stride
+    a: torch.Tensor  # R columns of a wider buffer
+    b: torch.Tensor
+    y_buffer: torch.Tensor
+    y: torch.Tensor  # a view of y_buffer's first columns
+    seg_ends: torch.Tensor
+    want: torch.Tensor  # y after the loop kernel
+
+
+def lora_operands(c: LoRACase, device: torch.device) -> LoRAOperands:
+    slots, members, width = len(c.ends), len(c.splits), sum(c.splits)
+    x = randn(c.tokens, c.k + 3, dtype=c.x_dtype, device=device, seed=13)[:, : c.k]
+    a_buffer = randn(slots, c.k, members * c.rank + 8, dtype=c.dtype, device=device, seed=14, scale=0.2)
+    a = a_buffer[:, :, : members * c.rank]
+    b = randn(slots, c.rank, width, dtype=c.dtype, device=device, seed=15, scale=0.2)
+    y_buffer = randn(c.tokens, width + 5, dtype=c.dtype, device=device, seed=16)
+    y = y_buffer[:, :width]
+    want = loop_reference(x.cpu(), a.cpu(), b.cpu(), c.ends, y.cpu(), c.splits)
+    seg_ends = torch.tensor(c.ends, dtype=c.index_dtype, device=device)
+    return LoRAOperands(x, a, b, y_buffer, y, seg_ends, want)
+
+
+def assert_lora_delta_added(c: LoRACase, o: LoRAOperands, before: torch.Tensor) -> None:
+    """y holds the loop kernel's values; rows without an adapter and columns past the view are untouched."""
+    tol = 1e-5 if c.dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(o.y.cpu(), o.want, atol=tol, rtol=tol)
+    assert torch.equal(o.y_buffer[c.ends[-1] :], before[c.ends[-1] :])
+    assert torch.equal(o.y_buffer[:, o.y.shape[1] :], before[:, o.y.shape[1] :])
 
 
 @pytest.mark.parametrize("case", LORA_CASES, ids=list(LORA_CASES))
 def test_lora_shrink_and_expand_match_the_loop_kernel(case: str, device: torch.device) -> None:
     c = LORA_CASES[case]
-    dtype, rank, splits, ends, tokens, k = c.dtype, c.rank, c.splits, c.ends, c.tokens, c.k
-    slots, members, width = len(ends), len(splits), sum(splits)
-    x = randn(tokens, k, dtype=c.x_dtype, device=device, seed=13)
-    a_buffer = randn(slots, k, members * rank + 8, dtype=dtype, device=device, seed=14, scale=0.2)
-    a = a_buffer[:, :, : members * rank]  # R columns of a wider buffer
-    b = randn(slots, rank, width, dtype=dtype, device=device, seed=15, scale=0.2)
-    y_buffer = randn(tokens, width + 5, dtype=dtype, device=device, seed=16)
-    y = y_buffer[:, :width]
-    want = loop_reference(x.cpu(), a.cpu(), b.cpu(), ends, y.cpu(), splits)
-    seg_ends = torch.tensor(ends, dtype=torch.int32, device=device)
-
-    h = torch.full((tokens, members * rank), 7.0, device=device)
-    lora_shrink(x, a, seg_ends, h)
+    o = lora_operands(c, device)
+    h = torch.full((c.tokens, len(c.splits) * c.rank), 7.0, device=device)
+    lora_shrink(o.x, o.a, o.seg_ends, h)
     want_h = torch.cat([
-        x[start:end].float().cpu() @ a[s].float().cpu()
-        for s, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True))
+        o.x[start:end].float().cpu() @ o.a[s].float().cpu()
+        for s, (start, end) in enumerate(zip([0, *c.ends[:-1]], c.ends, strict=True))
     ])  # fmt: skip
-    torch.testing.assert_close(h[: ends[-1]].cpu(), want_h, atol=2e-3, rtol=2e-3)
-    assert bool((h[ends[-1] :] == 7.0).all())  # rows without an adapter are left untouched
+    torch.testing.assert_close(h[: c.ends[-1]].cpu(), want_h, atol=2e-3, rtol=2e-3)
+    assert bool((h[c.ends[-1] :] == 7.0).all())  # rows without an adapter are left untouched
 
-    before = y_buffer.clone()
-    lora_expand(h, b, seg_ends, y, splits=splits)
-    tol = 1e-5 if dtype == torch.float32 else 4e-3
-    torch.testing.assert_close(y.cpu(), want, atol=tol, rtol=tol)
-    assert torch.equal(y_buffer[ends[-1] :], before[ends[-1] :])  # no adapter: y untouched
-    assert torch.equal(y_buffer[:, width:], before[:, width:])  # nothing written past the view
+    before = o.y_buffer.clone()
+    lora_expand(h, o.b, o.seg_ends, o.y, splits=c.splits)
+    assert_lora_delta_added(c, o, before)
+
+
+# default blocks, and small ones: chunks of 16 columns (several per member), or 48 (not dividing members)
+DELTA_CONFIGS = {
+    "default": None,
+    "cols16": DeltaConfig(block_m=16, block_k=16, block_n=16, columns=16),
+    "cols48": DeltaConfig(block_m=16, block_k=32, block_n=16, columns=48),
+}
+
+
+@pytest.mark.parametrize("config", DELTA_CONFIGS, ids=list(DELTA_CONFIGS))
+@pytest.mark.parametrize("case", LORA_CASES, ids=list(LORA_CASES))
+def test_lora_delta_matches_the_loop_kernel(case: str, config: str, device: torch.device) -> None:
+    c = LORA_CASES[case]
+    o = lora_operands(c, device)
+    before = o.y_buffer.clone()
+    lora_delta(o.x, o.a, o.b, o.seg_ends, o.y, splits=c.splits, config=DELTA_CONFIGS[config])
+    assert_lora_delta_added(c, o, before)
+
+
+def test_the_row_tile_bound_holds_for_every_split() -> None:
+    """The grid's row dimension: no split of T tokens among S slots has more non-empty (slot, tile) pairs,
+    and some splits reach it (so a smaller grid would drop rows)."""
+    gen = torch.Generator().manual_seed(44)
+    for _ in range(2000):
+        tokens = int(torch.randint(1, 400, (1,), generator=gen))
+        slots = int(torch.randint(1, 40, (1,), generator=gen))
+        block_m = (16, 64)[int(torch.randint(0, 2, (1,), generator=gen))]
+        cuts = torch.randint(0, tokens + 1, (slots,), generator=gen).sort().values.tolist()
+        lengths = [end - start for start, end in zip([0, *cuts[:-1]], cuts, strict=True)]
+        assert sum(-(-n // block_m) for n in lengths) <= row_tiles(tokens, slots, block_m)
+    assert sum(-(-n // 16) for n in (17, 1, 1, 1)) == row_tiles(20, 4, 16)
+
+
+def test_delta_config_spreads_decode_and_reads_prefill_tiles_once_per_member() -> None:
+    """bench-1b's q/k/v (hidden 2048, q 2048, kv 256 + 256, rank 16, bf16, 16 slots): at decode (T = 32)
+    the grid is about one program per SM (not 16, one per slot); at prefill (T = 4096) each program covers
+    a whole member, so each 64-row x tile is read once per member."""
+    widths = (2048, 256, 256)
+
+    def config(tokens: int) -> tuple[DeltaConfig, int]:
+        chosen = delta_config(DeltaShape(tokens, 16, widths, 2048, 16, 2, 2, 2, DEFAULT_SMS))
+        programs = sum(chunks_of(widths, chosen.columns)) * row_tiles(tokens, 16, chosen.block_m)
+        return chosen, programs
+
+    decode, programs = config(32)
+    assert decode.block_m == 16 and DEFAULT_SMS // 2 <= programs <= 2 * DEFAULT_SMS, (decode, programs)
+    prefill, _ = config(4096)
+    assert DECODE_TOKENS < 4096 and prefill.block_m == 64 and prefill.columns >= max(widths), prefill
+
+
+def test_lora_delta_refuses_mismatched_shapes(device: torch.device) -> None:
+    x = torch.zeros(4, 8, device=device)
+    a = torch.zeros(2, 8, 32, device=device)  # two members of rank 16
+    b = torch.zeros(2, 16, 24, device=device)
+    ends = torch.tensor([1, 3], dtype=torch.int32, device=device)
+    y = torch.zeros(4, 24, device=device)
+    with pytest.raises(ValueError, match="splits"):
+        lora_delta(x, a, b, ends, y, splits=(8, 8))
+    with pytest.raises(ValueError, match="a must be"):
+        lora_delta(x, a, b, ends, y, splits=(8, 8, 8))
+    with pytest.raises(ValueError, match="seg_ends"):
+        lora_delta(x, a, b, ends.float(), y, splits=(12, 12))
+    with pytest.raises(ValueError, match="y must be"):
+        lora_delta(x, a, b, ends, y.t(), splits=(12, 12))
+
+
+class NotPlainLinear(nn.Linear):
+    """A base the projection does not fuse (its type is not nn.Linear), as a quantized linear."""
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fused-base", "member-bases"])
+def test_projection_lora_on_triton_equals_the_module_path(quantized: bool, device: torch.device) -> None:
+    """q/k/v through Projection with Triton LoRA (one fused launch, or one per member over separate base
+    outputs) against each MultiLoRALinear's own forward with the step's LoRAContext (the CPU path)."""
+    hidden, widths, slots, rank, tokens = 32, (32, 16, 16), 3, 8, 7
+    context = LoRAContext()
+    linear = NotPlainLinear if quantized else nn.Linear
+
+    def build() -> list[nn.Module]:
+        torch.manual_seed(45)
+        members: list[nn.Module] = []
+        for width in widths:
+            member = MultiLoRALinear(
+                linear(hidden, width, bias=False), in_features=hidden, out_features=width, max_loras=slots,
+                max_rank=rank, dtype=torch.float32, device=device, context=context,
+            )  # fmt: skip
+            member.lora_a.copy_(torch.randn(slots, hidden, rank) * 0.3)
+            member.lora_b.copy_(torch.randn(slots, rank, width) * 0.3)
+            members.append(member.to(device))
+        return members
+
+    ends = [2, 2, 6]  # an empty slot; the last row has no adapter
+    segments = [(0, 0, 2), (2, 2, 6)]
+    batch = LoRABatch(
+        num_lora_tokens=ends[-1],
+        offsets=torch.tensor(ends, dtype=torch.int64, device=device),
+        segments=segments,
+        segment_table=torch.tensor(segments, dtype=torch.int64),
+    )
+    x = randn(tokens, hidden, dtype=torch.float32, device=device, seed=46)
+    context.batch = batch
+    with torch.no_grad():
+        want = [m(x) for m in build()]
+        projection = Projection(build(), fuse_base=True, group_lora=True)
+        assert projection.fused != quantized and projection.lora_a is not None
+        got = projection(x, batch)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [32, 1024], ids=["decode", "prefill"])
+def test_lora_delta_replays_in_a_cuda_graph_with_new_segments(tokens: int) -> None:
+    """Captured once per shape, replayed as the step's segment ends change in place (int64, as the engine
+    packs them): the same bits as an eager call, and the loop kernel's values, for every split."""
+    pytest.importorskip("triton")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    slots, rank, k, splits = 16, 16, 256, (256, 64, 64)
+    width = sum(splits)
+    x = randn(tokens, k, dtype=dtype, device=dev, seed=47)
+    a = randn(slots, k, len(splits) * rank, dtype=dtype, device=dev, seed=48, scale=0.1)
+    b = randn(slots, rank, width, dtype=dtype, device=dev, seed=49, scale=0.1)
+    y0 = randn(tokens, width, dtype=dtype, device=dev, seed=50)
+    y = y0.clone()
+    seg_ends = torch.zeros(slots, dtype=torch.int64, device=dev)
+
+    def step() -> None:
+        y.copy_(y0)
+        lora_delta(x, a, b, seg_ends, y, splits=splits)
+
+    graph, _ = captured(step)
+    gen = torch.Generator().manual_seed(51)
+    splits_of_tokens = [
+        [0] * slots,  # no adapters at all
+        [tokens] * slots,  # every token in the first slot
+        [min(tokens, 17 * (s + 1)) for s in range(slots)],  # one row past a tile each
+        torch.randint(0, tokens + 1, (slots,), generator=gen).sort().values.tolist(),
+        torch.randint(0, tokens + 1, (slots,), generator=gen).sort().values.tolist(),
+    ]
+    for ends in splits_of_tokens:
+        seg_ends.copy_(torch.tensor(ends))
+        graph.replay()
+        replayed = y.clone()
+        step()
+        assert torch.equal(replayed, y), ends
+        want = loop_reference(x.cpu(), a.cpu(), b.cpu(), ends, y0.cpu(), splits)
+        torch.testing.assert_close(replayed.cpu(), want, atol=2e-2, rtol=2e-2)
 
 
 # ----------------------------------------------------------------------------------------------- AWQ
@@ -533,6 +741,7 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
         "act": torch.empty(batch, inter, dtype=dtype, device=dev),
         "h": torch.empty(batch, 2 * rank, device=dev),
         "y": torch.empty(batch, 2 * inter, dtype=dtype, device=dev),
+        "y_fused": torch.empty(batch, 2 * inter, dtype=dtype, device=dev),
         "awq_y": torch.empty(batch, inter, dtype=torch.float16, device=dev),
     }
 
@@ -550,6 +759,8 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
         outs["y"].zero_()
         lora_shrink(x, a, seg_ends, outs["h"])
         lora_expand(outs["h"], b, seg_ends, outs["y"], splits=(inter, inter))
+        outs["y_fused"].zero_()
+        lora_delta(x, a, b, seg_ends, outs["y_fused"], splits=(inter, inter))
         awq_linear(x, qweight, qzeros, scales, 32, out=outs["awq_y"])
         return awq_dequantize(qweight, qzeros, scales, 32)
 
@@ -565,14 +776,7 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
         seg_ends.copy_(cuts)
 
     set_metadata(0)
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles every kernel outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dequantized = step()
+    graph, dequantized = captured(step)
     for seed in (1, 2):
         set_metadata(seed)
         cache_before = k_cache.clone(), v_cache.clone()

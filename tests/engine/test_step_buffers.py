@@ -230,7 +230,7 @@ def test_the_forward_reads_nothing_back_and_a_step_reads_its_tokens_once(llama: 
             return sample(*args)
 
     engine.runner.forward = watched_forward  # type: ignore[assignment]
-    engine._sample = watched_sample  # type: ignore[method-assign]
+    engine._sample = watched_sample  # type: ignore[method-assign,assignment]
     engine.step()
     engine.step()
     assert in_forward.calls == []

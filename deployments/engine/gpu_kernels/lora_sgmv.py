@@ -41,6 +41,42 @@ def _segment_rows(ends_ptr, s, BLOCK_M: tl.constexpr):
 
 
 @jit
+def shrink_tile(
+    x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """x[rows] @ A [K, R] (a_base: its first element; R contiguous) in fp32, x cast to A's dtype."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xt + offs_k[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            a_base + offs_k[:, None] * stride_ak + offs_r[None, :],
+            mask=k_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
+    return acc
+
+
+@jit
+def add_delta(y_ptr, rows, row_mask, offs_n, n_mask, stride_yt, delta):
+    """y[rows, offs_n] += delta, the fp32 delta rounded to y's dtype first (as `y += delta.to(y.dtype)`)."""
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
+    tile_mask = row_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=tile_mask, other=0.0)
+    y = (y.to(tl.float32) + delta.to(y.dtype).to(tl.float32)).to(y.dtype)
+    tl.store(y_ptrs, y, mask=tile_mask)
+
+
+@jit
 def _shrink_kernel(
     x_ptr, a_ptr, ends_ptr, h_ptr, stride_xt, stride_as, stride_ak, stride_ht, K, R,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
@@ -48,26 +84,15 @@ def _shrink_kernel(
     s = tl.program_id(0)
     rows, row_mask, live = _segment_rows(ends_ptr, s, BLOCK_M)
     if live:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
         a_base = a_ptr + s.to(tl.int64) * stride_as
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_xt + offs_k[None, :],
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            a = tl.load(
-                a_base + offs_k[:, None] * stride_ak + offs_r[None, :],
-                mask=k_mask[:, None] & r_mask[None, :],
-                other=0.0,
-            )
-            acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
+        acc = shrink_tile(
+            x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION
+        )
+        offs_r = tl.arange(0, BLOCK_R)
         tl.store(
-            h_ptr + rows[:, None] * stride_ht + offs_r[None, :], acc, mask=row_mask[:, None] & r_mask[None, :]
+            h_ptr + rows[:, None] * stride_ht + offs_r[None, :],
+            acc,
+            mask=row_mask[:, None] & (offs_r < R)[None, :],
         )
 
 
@@ -97,11 +122,7 @@ def _expand_kernel(
             other=0.0,
         )
         delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
-        tile_mask = row_mask[:, None] & n_mask[None, :]
-        y = tl.load(y_ptrs, mask=tile_mask, other=0.0)
-        y = (y.to(tl.float32) + delta.to(y.dtype).to(tl.float32)).to(y.dtype)
-        tl.store(y_ptrs, y, mask=tile_mask)
+        add_delta(y_ptr, rows, row_mask, offs_n, n_mask, stride_yt, delta)
 
 
 def _block_m(tokens: int) -> int:
@@ -111,7 +132,7 @@ def _block_m(tokens: int) -> int:
 INDEX_DTYPES = (torch.int32, torch.int64)  # the engine packs its step metadata in int64
 
 
-def _check_segments(seg_ends: torch.Tensor, slots: int) -> None:
+def check_segments(seg_ends: torch.Tensor, slots: int) -> None:
     if seg_ends.shape != (slots,) or seg_ends.dtype not in INDEX_DTYPES or not seg_ends.is_contiguous():
         raise ValueError(
             f"seg_ends must be a contiguous int32/int64 [S={slots}], got {seg_ends.dtype} {seg_ends.shape}"
@@ -127,7 +148,7 @@ def lora_shrink(
     """h[t] = x[t] @ a[slot(t)] in fp32 (x cast to a's dtype) for rows with an adapter; others untouched."""
     require_triton()
     slots, k, rank = a.shape
-    _check_segments(seg_ends, slots)
+    check_segments(seg_ends, slots)
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or a.stride(2) != 1:
         raise ValueError(f"want x [T, K={k}] and a [S, K, R] with contiguous last dimensions")
     if h.shape != (x.shape[0], rank) or h.dtype != torch.float32 or h.stride(1) != 1:
@@ -177,7 +198,7 @@ def lora_expand(
     block divides every member's width (and at most 4 members), else one per member."""
     require_triton()
     slots, rank, width = b.shape
-    _check_segments(seg_ends, slots)
+    check_segments(seg_ends, slots)
     if not splits or min(splits) <= 0 or sum(splits) != width or b.stride(2) != 1:
         raise ValueError(f"splits {splits} must be positive and sum to b's {width} columns")
     tokens = y.shape[0]
