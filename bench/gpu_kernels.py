@@ -396,14 +396,16 @@ def nf4_sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
         out = torch.empty(m, n, dtype=dtype, device=device)
         row = found[f"nf4_linear_M{m}_K{k}_N{n}"] = {}
         for split in (1, 2, 4, 8):
-            for block_n, block_k in ((32, 128), (64, 128), (64, 256), (128, 128), (128, 256)):
-                for warps in (4, 8):
+            for block_n, block_k in ((32, 128), (64, 128), (64, 256), (128, 128)):
+                for warps, stages in ((8, 1), (4, 1), (8, 2)):
                     fn = partial(nf4_linear, x, base.packed, base.absmax, base.code, out_features=n,
                                  in_features=k, blocksize=base.blocksize, out=out, split_k=split,
-                                 block_n=block_n, block_k=block_k, num_warps=warps)  # fmt: skip
+                                 block_n=block_n, block_k=block_k, num_warps=warps,
+                                 num_stages=stages)  # fmt: skip
                     replay = graphed(fn, 20)
                     if replay is not None:
-                        row[f"s{split}_n{block_n}_k{block_k}_w{warps}"] = round(graph_timer(replay, 20), 1)
+                        key = f"s{split}_n{block_n}_k{block_k}_w{warps}_st{stages}"
+                        row[key] = round(graph_timer(replay, 20), 1)
         print(f"nf4_linear M={m} K={k} N={n}", row, flush=True)
     return found
 

@@ -248,15 +248,14 @@ def nf4_linear(
     if split_k is not None and split_k < 1:
         raise ValueError("split_k must be >= 1")
     rows = x.shape[0]
-    out = rows_out(out, rows, n, x.dtype, x.device)
-    if rows == 0:
-        return out
     if rows > dequant_above:
         weight = nf4_dequantize(
             packed, absmax, code, out_features=n, in_features=k, blocksize=blocksize, dtype=x.dtype
         )
-        b = None if bias is None else bias.to(x.dtype)
-        out.copy_(torch.nn.functional.linear(x, weight, b))
+        y = torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
+        return y if out is None else rows_out(out, rows, n, x.dtype, x.device).copy_(y)
+    out = rows_out(out, rows, n, x.dtype, x.device)
+    if rows == 0:
         return out
     block_m = max(16, next_power_of_2(min(rows, DECODE_ROWS)))
     aligned = k % blocksize == 0
