@@ -16,6 +16,11 @@ head_dim 64, intermediate 5632) at batch 32 with 16 rank-16 adapters, each kerne
   awq_dequant: awq_dequantize of the gate projection vs the same dequantization in torch ops;
   awq_linear:  the fused int4 GEMM awq_linear at the batch vs torch dequantization + matmul (also: our
                dequantization + matmul, and the dense bf16 matmul, for scale).
+  nf4_qkv, nf4_gate_up, nf4_down: a bitsandbytes nf4 Linear4bit (2048->2560, 2048->11264, 5632->2048)
+               at the batch: our nf4_linear vs the module's own forward (bitsandbytes 0.50: dequantize to
+               16 bits, then a GEMM), and the dense matmul in the compute dtype for scale;
+  nf4_prefill: the gate/up linear at --prefill-rows rows: the module vs ours (dequantize + dense GEMM
+               above DEQUANT_ABOVE rows) vs our GEMM kernel forced at that size (CUDA only).
 Peers run in turns (bench.measure.Interleaved); each sample is the mean of --iters calls timed with CUDA
 events, both replayed from a CUDA graph of --iters calls (`graph`: device time, as the captured decode
 step runs them) and launched eagerly (`eager`: the host's launch cost included; Triton's Python launcher
@@ -30,6 +35,7 @@ The last line is one JSON object.
 """
 
 import argparse
+import importlib
 import json
 import os
 import time
@@ -294,6 +300,73 @@ def awq_peers(
     }
 
 
+def nf4_module(k: int, n: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """A bitsandbytes nf4 Linear4bit as our loader builds it (no double quantization), quantized by
+    bitsandbytes on the device."""
+    bnb: Any = importlib.import_module("bitsandbytes")  # untyped
+    module = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=dtype, quant_type="nf4")
+    weight = torch.randn(n, k, dtype=dtype) * 0.02
+    module.weight = bnb.nn.Params4bit(
+        weight, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=False
+    )
+    return module.to(device).eval()
+
+
+def nf4_peers(
+    shapes: dict[str, tuple[int, int, int]], dtype: torch.dtype, device: torch.device
+) -> dict[str, dict[str, Callable[[], object]]]:
+    """Per name (rows, in, out): the module's forward, ours, and the dense matmul; `_kernel` forces our
+    GEMM kernel past DEQUANT_ABOVE rows."""
+    from deployments.engine.gpu_kernels.nf4_gemm import nf4_linear
+    from deployments.engine.nf4_base import NF4Base
+
+    groups: dict[str, dict[str, Callable[[], object]]] = {}
+    for name, (rows, k, n) in shapes.items():
+        module = nf4_module(k, n, dtype, device)
+        base = NF4Base.of(module)
+        assert base is not None
+        x = torch.randn(rows, k, dtype=dtype, device=device)
+        out = torch.empty(rows, n, dtype=dtype, device=device)
+        dense = torch.randn(n, k, dtype=dtype, device=device)
+        ours = partial(
+            nf4_linear, x, base.packed, base.absmax, base.code, out_features=n, in_features=k,
+            blocksize=base.blocksize, out=out,
+        )  # fmt: skip
+        groups[name] = {
+            "torch": partial(module, x),
+            "ours": ours,
+            **({"ours_kernel": partial(ours, dequant_above=2**31)} if "prefill" in name else {}),
+            "dense": partial(F.linear, x, dense),
+        }
+    return groups
+
+
+def nf4_groups(
+    s: Shape,
+    prefill_rows: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    tiny: bool,
+    result: dict[str, Any],
+) -> dict[str, dict[str, Callable[[], object]]]:
+    """bench-1b's nf4 linears at the batch (q/k/v, gate/up, down), and gate/up at prefill on CUDA."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        result["nf4"] = "skipped: bitsandbytes is not installed"
+        return {}
+    qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+    shapes = {
+        "nf4_qkv": (s.batch, s.hidden, qkv),
+        "nf4_gate_up": (s.batch, s.hidden, 2 * s.inter),
+        "nf4_down": (s.batch, s.inter, s.hidden),
+    }
+    if not tiny:
+        shapes["nf4_prefill"] = (prefill_rows, s.hidden, 2 * s.inter)
+    return nf4_peers(shapes, dtype, device)
+
+
 def sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
     """Graph-replayed microseconds of each kernel knob setting: what the defaults were chosen from."""
     from deployments.engine.gpu_kernels.awq_gemm import awq_linear
@@ -337,6 +410,7 @@ def sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
                         row[f"s{split}_n{block_n}_k{block_k}_w{warps}"] = round(graph_timer(replay, 20), 1)
         print(f"awq_linear M={m} K={k} N={n}", row, flush=True)
     found.update(lora_sweep(s, dtype, device))
+    found.update(nf4_sweep(s, dtype))
     return found
 
 
@@ -391,6 +465,38 @@ def layer_lora_us(kernels: dict[str, Any], mode: str) -> dict[str, float]:
     return found
 
 
+def nf4_sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    from deployments.engine.gpu_kernels.nf4_gemm import nf4_linear
+    from deployments.engine.nf4_base import NF4Base
+
+    device = torch.device("cuda")
+    found: dict[str, dict[str, float]] = {}
+    for m, k, n in (
+        (32, s.hidden, 2560),
+        (32, s.hidden, 2 * s.inter),
+        (32, s.inter, s.hidden),
+        (8, s.hidden, 256),
+    ):
+        base = NF4Base.of(nf4_module(k, n, dtype, device))
+        assert base is not None
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        row = found[f"nf4_linear_M{m}_K{k}_N{n}"] = {}
+        for split in (1, 2, 4, 8):
+            for block_n, block_k in ((32, 128), (64, 128), (64, 256), (128, 128)):
+                for warps, stages in ((8, 1), (4, 1), (8, 2)):
+                    fn = partial(nf4_linear, x, base.packed, base.absmax, base.code, out_features=n,
+                                 in_features=k, blocksize=base.blocksize, out=out, split_k=split,
+                                 block_n=block_n, block_k=block_k, num_warps=warps,
+                                 num_stages=stages)  # fmt: skip
+                    replay = graphed(fn, 20)
+                    if replay is not None:
+                        key = f"s{split}_n{block_n}_k{block_k}_w{warps}_st{stages}"
+                        row[key] = round(graph_timer(replay, 20), 1)
+        print(f"nf4_linear M={m} K={k} N={n}", row, flush=True)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -400,6 +506,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="rounds of every peer")
     parser.add_argument("--iters", type=int, default=50, help="calls per timed sample")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, one round: checks the bench runs")
+    parser.add_argument("--prefill-rows", type=int, default=1024, help="rows of the nf4_prefill entry")
     parser.add_argument(
         "--only",
         default="",
@@ -451,6 +558,7 @@ def main() -> None:
         **lora_groups(s, dtype, device),
         **awq_peers(s, dtype, device),
     }  # fmt: skip
+    groups.update(nf4_groups(s, args.prefill_rows, dtype, device, tiny=args.tiny, result=result))
     if args.only:
         prefixes = tuple(args.only.split(","))
         groups = {name: peers for name, peers in groups.items() if name.startswith(prefixes)}

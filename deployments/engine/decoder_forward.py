@@ -77,6 +77,7 @@ class DecoderForward:
         fuse: bool,
         group_lora: bool,
         max_positions: int,
+        nf4_kernel: bool = False,
     ) -> None:
         self.ops = ops
         self.kv_cache = kv_cache
@@ -96,7 +97,7 @@ class DecoderForward:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_positions, D]
 
         def group(*members: nn.Module) -> Projection:
-            return Projection(list(members), fuse_base=fuse, group_lora=group_lora)
+            return Projection(list(members), fuse_base=fuse, group_lora=group_lora, nf4_kernel=nf4_kernel)
 
         mistral_window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.layers = []

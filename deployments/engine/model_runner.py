@@ -51,7 +51,13 @@ class ModelRunner:
             ops = layer_ops_for(self.device)
             triton = ops.name == "triton"  # fused groups pay off with the Triton LoRA kernels (CUDA)
             self.forward = DecoderForward(
-                loaded.model, kv_cache, ops, fuse=triton, group_lora=triton, max_positions=max_model_len
+                loaded.model,
+                kv_cache,
+                ops,
+                fuse=triton,
+                group_lora=triton,
+                max_positions=max_model_len,
+                nf4_kernel=triton,  # bitsandbytes nf4 linears through our Triton GEMM (nf4_base.py)
             )
             if ops.name == "triton":
                 self.lora_context.kernel_name = "triton_sgmv"

@@ -11,6 +11,9 @@ Picked once at load, each part on its own:
   member's `lora_a`/`lora_b` become views of those buffers: adapter loads still write through
   `MultiLoRALinear.load_slot`, in place, so a captured CUDA graph that reads them stays valid when a slot
   changes.
+- **nf4 bases** (CUDA with Triton): a member whose base is a bitsandbytes nf4 `Linear4bit` runs our
+  Triton NF4 GEMM on the module's own packed weights (nf4_base.py) instead of the module's forward, which
+  at batch > 1 dequantizes the whole weight to 16 bits and then multiplies.
 - otherwise (CPU) each member runs as its module does (base, then its own LoRA kernel from the step's
   LoRAContext), which keeps the CPU kernel's speed.
 """
@@ -20,11 +23,16 @@ from torch import nn
 
 from deployments.engine.lora_kernels import LoRABatch
 from deployments.engine.lora_layers import MultiLoRALinear
+from deployments.engine.nf4_base import NF4Base
 
 
 class Projection:
-    def __init__(self, members: list[nn.Module], *, fuse_base: bool, group_lora: bool) -> None:
+    def __init__(
+        self, members: list[nn.Module], *, fuse_base: bool, group_lora: bool, nf4_kernel: bool = False
+    ) -> None:
         self.members = members
+        # Per member: our kernel in place of its base's forward, or None (the module runs itself).
+        self.kernels = [NF4Base.of(_base(m)) if nf4_kernel else None for m in members]
         self.widths = [_out_features(m) for m in members]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
@@ -48,8 +56,8 @@ class Projection:
             y = self.whole(x, lora)
             return [y] if len(self.widths) == 1 else list(torch.split(y, self.widths, dim=-1))
         if self.lora_a is None:
-            return [m(x) for m in self.members]
-        outs = [_base(m)(x) for m in self.members]  # quantized bases: their own kernels, then our deltas
+            return [self._member(i, x) for i in range(len(self.members))]
+        outs = [self._base_out(i, x) for i in range(len(self.members))]  # quantized bases, then our deltas
         if lora is not None:
             self._member_lora(x, outs, lora)
         return outs
@@ -61,6 +69,19 @@ class Projection:
         if lora is not None and self.lora_a is not None:
             self._fused_lora(x, y, lora)
         return y
+
+    def _base_out(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernels[i]
+        return _base(self.members[i])(x) if kernel is None else kernel(x)
+
+    def _member(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Member i's output with its own adapters (the module's LoRAContext kernel)."""
+        member = self.members[i]
+        if self.kernels[i] is None:
+            out: torch.Tensor = member(x)
+            return out
+        y = self._base_out(i, x)
+        return member.add_lora(x, y) if isinstance(member, MultiLoRALinear) else y
 
     def _fused_lora(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch) -> None:
         from deployments.engine.gpu_kernels.lora_delta import lora_delta

@@ -11,13 +11,14 @@ CUDA to the bits in every dtype. Shapes are small: the interpreter runs each pro
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ from deployments.engine.gpu_kernels.lora_delta import (
     row_tiles,
 )
 from deployments.engine.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
+from deployments.engine.gpu_kernels.nf4_gemm import default_split_k, nf4_dequantize, nf4_linear
 from deployments.engine.gpu_kernels.paged_attention import (
     _attend_kernel,
     num_partitions,
@@ -678,6 +680,274 @@ def test_awq_linear_is_x_times_the_dequantized_weight(
         torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
 
 
+# ----------------------------------------------------------------------------------------------- NF4
+
+
+@dataclass(frozen=True)
+class NF4Weight:
+    """A weight quantized by bitsandbytes itself (its quantize_4bit), and its dequantization."""
+
+    packed: torch.Tensor  # cdiv(N * K, 2) uint8
+    absmax: torch.Tensor  # fp32 (the nested absmax already dequantized, as dequantize_4bit does)
+    code: torch.Tensor
+    dense: torch.Tensor  # [N, K] fp32: bitsandbytes' dequantization
+    original: torch.Tensor  # [N, K] the weight before quantization
+
+
+def bnb_nf4(n: int, k: int, *, nested: bool, seed: int, blocksize: int = 64) -> NF4Weight:
+    """Quantized on the CPU by bitsandbytes. Its CPU backend's native dequantization indexes absmax blocks
+    per row (row * (K // blocksize) + col // blocksize), which disagrees with its own quantizer (and its
+    CUDA kernels) where K is not a multiple of the block, so the dense weight is bitsandbytes' layout
+    restated (backends/default/ops.py, which its CUDA kernel matches): high nibble first, blocks along the
+    flattened weight. Where K is a multiple of the block it is checked equal to `dequantize_4bit`'s."""
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    original = randn(n, k, dtype=torch.float32, device=torch.device("cpu"), seed=seed)
+    packed, state = bnbf.quantize_4bit(
+        original, blocksize=blocksize, compress_statistics=nested, quant_type="nf4"
+    )
+    absmax = state.absmax
+    if nested:
+        absmax = (bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
+    flat = packed.reshape(-1)
+    codes = torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)[: n * k].long()
+    blocks = torch.arange(n * k) // blocksize
+    dense = (state.code[codes] * absmax[blocks]).view(n, k)
+    if k % blocksize == 0:
+        assert torch.equal(bnbf.dequantize_4bit(packed, state, quant_type="nf4"), dense)
+    # NF4 rounds each weight to the nearest of 16 levels of its block's absmax: off by at most half the
+    # widest gap (0.304 between -1 and -0.696) of the true absmax, plus the 8-bit absmax's own error when
+    # nested. A wrong nibble order or block index would be off by far more.
+    padded = F.pad(original.reshape(-1).abs(), (0, absmax.numel() * blocksize - n * k))
+    true_absmax = padded.view(-1, blocksize).amax(dim=1)
+    bound = 0.153 * true_absmax[blocks] + (absmax - true_absmax).abs()[blocks] + 1e-6
+    assert bool(((dense - original).abs().reshape(-1) <= bound).all())
+    return NF4Weight(flat.contiguous(), absmax.contiguous(), state.code, dense, original)
+
+
+def nf4_args(w: NF4Weight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return w.packed.to(device), w.absmax.to(device), w.code.to(device)
+
+
+NF4_SHAPES = {
+    # (N, K, blocksize): K a multiple of the block (one absmax per row and sub-tile), and not (blocks run
+    # across rows), K odd (rows start mid-byte), N*K odd (a padding nibble), a block of 128
+    "96x128": (96, 128, 64),
+    "72x80": (72, 80, 64),
+    "40x33": (40, 33, 64),
+    "7x45": (7, 45, 32),
+    "48x256-bs128": (48, 256, 128),
+}
+
+
+@pytest.mark.parametrize("shape", NF4_SHAPES, ids=list(NF4_SHAPES))
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "double-quant"])
+def test_nf4_dequantize_is_bitsandbytes_weight(shape: str, nested: bool, device: torch.device) -> None:
+    n, k, bs = NF4_SHAPES[shape]
+    w = bnb_nf4(n, k, nested=nested, seed=40, blocksize=bs)
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device.type == "cuda" else [])
+    for dtype in dtypes:  # the fp32 product rounded once to dtype, as dequantize_4bit rounds it
+        got = nf4_dequantize(*nf4_args(w, device), out_features=n, in_features=k, blocksize=bs, dtype=dtype)
+        assert_within_ulps(got.cpu(), w.dense.to(dtype), 0)
+
+
+@dataclass(frozen=True)
+class NF4Case:
+    rows: int
+    shape: str
+    nested: bool
+    dtype: torch.dtype
+    bias: bool
+    knobs: tuple[tuple[str, int], ...] = ()
+
+
+NF4_CASES = {
+    "T1-96x128": NF4Case(1, "96x128", False, torch.float32, False),
+    "T7-72x80-bias-dq": NF4Case(7, "72x80", True, torch.float32, True),
+    "T32-40x33-fp16": NF4Case(32, "40x33", False, torch.float16, True),
+    "T32-96x128-split3-fp16-dq": NF4Case(
+        32, "96x128", True, torch.float16, True, (("split_k", 3), ("block_k", 32), ("block_n", 32))
+    ),
+    "T7-7x45-split2": NF4Case(7, "7x45", False, torch.float32, False, (("split_k", 2), ("block_k", 32))),
+    "T5-48x256-bs128-k64": NF4Case(5, "48x256-bs128", True, torch.float32, True, (("block_k", 64),)),
+    # above DECODE_ROWS: row blocks of 64, the last partial; forced through the kernel, not the dequant path
+    "T300-72x80-tiled": NF4Case(300, "72x80", False, torch.float32, True, (("dequant_above", 10**6),)),
+    "T300-96x128-dequant-mm-fp16": NF4Case(300, "96x128", True, torch.float16, True),
+}
+
+
+@pytest.mark.parametrize("case", NF4_CASES, ids=list(NF4_CASES))
+def test_nf4_linear_is_x_times_the_dequantized_weight(case: str, device: torch.device) -> None:
+    """y = x @ dequantize_4bit(W)^T + bias in x's dtype: in fp32 within fp32 rounding of the sum, in fp16
+    within one fp16 rounding (the sums' order differs); x a strided view, out a strided view."""
+    c = NF4_CASES[case]
+    n, k, bs = NF4_SHAPES[c.shape]
+    w = bnb_nf4(n, k, nested=c.nested, seed=41, blocksize=bs)
+    x = randn(c.rows, k + 8, dtype=c.dtype, device=device, seed=42)[:, :k]
+    bias = randn(n, dtype=c.dtype, device=device, seed=43) if c.bias else None
+    out_buffer = torch.full((c.rows, n + 4), 9.0, dtype=c.dtype, device=device)
+    knobs: dict[str, Any] = dict(c.knobs)
+    got = nf4_linear(
+        x, *nf4_args(w, device), out_features=n, in_features=k, blocksize=bs, bias=bias,
+        out=out_buffer[:, :n], **knobs,
+    )  # fmt: skip
+    assert got.data_ptr() == out_buffer.data_ptr() and bool((out_buffer[:, n:] == 9.0).all())
+    weight = w.dense.to(c.dtype).float()  # rounded to x's dtype, as bitsandbytes dequantizes for F.linear
+    want = x.cpu().float() @ weight.t() + (0 if bias is None else bias.cpu().float())
+    scale = (x.cpu().float().abs() @ weight.abs().t()).max().item()  # bounds the sum's rounding
+    rtol = 0 if c.dtype == torch.float32 else 2**-10
+    torch.testing.assert_close(got.cpu().float(), want.to(c.dtype).float(), atol=1e-5 * scale, rtol=rtol)
+
+
+def test_nf4_linear_splits_decode_by_shape_alone() -> None:
+    """Few N blocks: K is split (about two programs per SM); enough N blocks: not; never past K's steps."""
+    cpu = torch.device("cpu")  # 132 SMs stand in
+    assert default_split_k(32, 8, cpu) == 8  # bench-1b q/o (2048 x 2048): 32 blocks of 64
+    assert default_split_k(32, 22, cpu) == 9  # down (5632 -> 2048)
+    assert default_split_k(88, 8, cpu) == 3  # gate (2048 -> 5632)
+    assert default_split_k(176, 8, cpu) == 1
+    assert default_split_k(4, 1, cpu) == 1
+
+
+def test_nf4_linear_rejects_what_it_cannot_read() -> None:
+    w = bnb_nf4(72, 80, nested=True, seed=44)
+    x = torch.ones(2, 80)
+    args = dict(out_features=72, in_features=80, blocksize=64)
+    with pytest.raises(ValueError, match="absmax must be"):
+        nf4_linear(x, w.packed, w.absmax[:-1], w.code, **args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="packed must be"):
+        nf4_linear(x, w.packed[:-1], w.absmax, w.code, **args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="x must be"):
+        nf4_linear(x[:, :64], w.packed, w.absmax, w.code, **args)  # type: ignore[arg-type]
+
+
+def _linear4bit(n: int, k: int, *, nested: bool, seed: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """A bitsandbytes nf4 Linear4bit with a bias, quantized by bitsandbytes on device."""
+    bnb = pytest.importorskip("bitsandbytes")
+    module = bnb.nn.Linear4bit(k, n, bias=True, compute_dtype=dtype, quant_type="nf4")
+    original = randn(n, k, dtype=dtype, device=torch.device("cpu"), seed=seed)
+    module.weight = bnb.nn.Params4bit(
+        original, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=nested
+    )
+    module.bias = torch.nn.Parameter(randn(n, dtype=dtype, device=torch.device("cpu"), seed=seed + 1))
+    return module.to(device)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["member-lora", "group-lora"])
+def test_projection_runs_nf4_members_through_the_kernel(grouped: bool, device: torch.device) -> None:
+    """A q/k/v-like group of bitsandbytes nf4 Linear4bit members (the first one, or all, wrapped for
+    adapters; one double-quantized): with the kernel on, no member's own forward runs and each output is
+    x @ its dequantized weight^T + bias plus its adapter's delta (each member's own LoRA kernel, or the
+    group's Triton shrink/expand); with it off, the modules run themselves."""
+    from deployments.engine.lora_layers import LoRAContext, MultiLoRALinear
+    from deployments.engine.nf4_base import NF4Base
+    from deployments.engine.projection import Projection
+
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    dtype, k, rows, rank = torch.float32, 128, 5, 16
+    widths = [64, 32, 32]
+    bases = [
+        _linear4bit(n, k, nested=i == 1, seed=45 + 2 * i, dtype=dtype, device=device)
+        for i, n in enumerate(widths)
+    ]
+    x = randn(rows, k, dtype=dtype, device=device, seed=51)
+    wants = []
+    for base in bases:  # K is a multiple of 64: bitsandbytes' CPU dequantization is right here
+        dense = bnbf.dequantize_4bit(base.weight.data, base.weight.quant_state, quant_type="nf4")
+        wants.append(x @ dense.to(dtype).t() + base.bias)
+    context = LoRAContext()
+    members: list[torch.nn.Module] = list(bases)
+    for i in range(3 if grouped else 1):
+        wrapper = MultiLoRALinear(
+            bases[i], in_features=k, out_features=widths[i], max_loras=2, max_rank=rank, dtype=dtype,
+            device=device, context=context,
+        )  # fmt: skip
+        a = randn(rank, k, dtype=dtype, device=device, seed=52 + i, scale=0.1)
+        b = randn(widths[i], rank, dtype=dtype, device=device, seed=55 + i, scale=0.1)
+        wrapper.load_slot(1, a, b)
+        wants[i][:3] += x[:3] @ a.t() @ b.t()  # rows 0..2 carry slot 1; rows 3, 4 no adapter
+        members[i] = wrapper
+    segments = [(1, 0, 3)]
+    lora = LoRABatch(
+        num_lora_tokens=3,
+        offsets=torch.tensor([0, 3], dtype=torch.int32, device=device),
+        segments=segments,
+        segment_table=torch.tensor(segments, dtype=torch.int64),
+    )
+    context.batch = lora
+
+    def refuse(*_: object) -> torch.Tensor:
+        raise AssertionError("the module's own forward ran")
+
+    for base in bases:
+        base.forward = refuse
+    projection = Projection(members, fuse_base=False, group_lora=grouped, nf4_kernel=True)
+    assert all(isinstance(kernel, NF4Base) for kernel in projection.kernels)
+    assert (projection.lora_a is not None) == grouped
+    with torch.no_grad():
+        got = projection(x, lora)
+    for y, want in zip(got, wants, strict=True):
+        torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
+    off = Projection(members, fuse_base=False, group_lora=grouped, nf4_kernel=False)
+    assert off.kernels == [None, None, None]
+    with pytest.raises(AssertionError, match="own forward ran"):
+        off(x, lora)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_nf4_linear_on_bitsandbytes_cuda_weights_replays_in_a_cuda_graph() -> None:
+    """Weights quantized by bitsandbytes' CUDA kernels (double quantization on), decode shape with K split
+    (4 N blocks on a GPU of >= 4 SMs): equal to bitsandbytes' own Linear4bit forward up to bf16 rounding of
+    the sum, and a captured call replayed on new x equals an eager call bit for bit."""
+    from deployments.engine.nf4_base import NF4Base
+
+    dev, dtype, rows, k, n = torch.device("cuda"), torch.bfloat16, 32, 2048, 256
+    module = _linear4bit(n, k, nested=True, seed=60, dtype=dtype, device=dev)
+    base = NF4Base.of(module)
+    assert base is not None
+    x = randn(rows, k, dtype=dtype, device=dev, seed=61)
+    args = (x, base.packed, base.absmax, base.code)
+    knobs = dict(out_features=n, in_features=k, blocksize=base.blocksize, bias=base.bias)
+    out = torch.empty(rows, n, dtype=dtype, device=dev)
+    with torch.no_grad():
+        want = module(x)
+    got = nf4_linear(*args, **knobs, out=out)  # type: ignore[arg-type]
+    # bf16 rounding of the sum (ours once from fp32; bitsandbytes' GEMM its own way); a misread layout
+    # would be off by the weights' whole size
+    torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        nf4_linear(*args, **knobs, out=out)  # type: ignore[arg-type]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        nf4_linear(*args, **knobs, out=out)  # type: ignore[arg-type]
+    x.copy_(randn(rows, k, dtype=dtype, device=dev, seed=62))
+    graph.replay()
+    replayed = out.clone()
+    assert torch.equal(replayed, nf4_linear(*args, **knobs))  # type: ignore[arg-type]
+
+
+def test_nf4_kernels_compile_for_sm90_without_a_gpu() -> None:
+    """What the interpreter cannot show: the kernels lower to PTX and through ptxas for H100/H200 at the
+    configurations nf4_linear launches, and a decode program keeps to a few KB of shared memory (Triton
+    pipelining the code-table gathers through shared memory took 135 KB: one program per SM)."""
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton ships no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(triton.__file__).parents[1])])
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.engine.sm90_compile"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(shared) >= {"decode_split_partials", "decode_bias", "tiled_rows64", "split_sum", "dequant"}
+    assert max(shared.values()) <= 48 * 1024, shared
+
+
 # ----------------------------------------------------------------------------------- without Triton
 
 
@@ -686,7 +956,7 @@ def test_the_kernel_modules_import_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from deployments.engine.gpu_kernels import activation, awq_dequant, awq_gemm, lora_sgmv\n"
+        "from deployments.engine.gpu_kernels import activation, awq_dequant, awq_gemm, lora_sgmv, nf4_gemm\n"
         "from deployments.engine.gpu_kernels import paged_attention, rms_norm, rotary_cache\n"
         "try:\n"
         "    rms_norm.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)\n"

@@ -48,6 +48,28 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def rows_out(
+    out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A kernel's [rows, cols] output: out when given (any row stride, checked), else a new tensor."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    if out.shape != (rows, cols) or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be {dtype} [{rows}, {cols}] with a contiguous last dimension")
+    return out
+
+
+DEFAULT_SMS = 132  # H100 SXM; stands in when the device has no SM count (the CPU interpreter)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device: a property of the machine, so grids sized from it stay
+    graph-safe."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return DEFAULT_SMS
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 operands multiply in IEEE fp32 (Triton's default would round them to tf32 on tensor cores)."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import interpreting, jit, libdevice, require_triton, tl
+from deployments.engine.gpu_kernels._triton import interpreting, jit, libdevice, require_triton, rows_out, tl
 
 BLOCK = 1024
 
@@ -43,10 +43,7 @@ def silu_and_mul(
             f"gate_up must be [T, 2I] with a contiguous last dimension, got {tuple(gate_up.shape)}"
         )
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    if out is None:
-        out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    elif out.shape != (rows, inter) or out.dtype != gate_up.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be {gate_up.dtype} [{rows}, {inter}] with a contiguous last dimension")
+    out = rows_out(out, rows, inter, gate_up.dtype, gate_up.device)
     if rows and inter:
         _silu_and_mul_kernel[(rows, -(-inter // BLOCK))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import cdiv, dot_precision, jit, require_triton, tl
+from deployments.engine.gpu_kernels._triton import cdiv, dot_precision, jit, require_triton, rows_out, tl
 
 BLOCK_N = 64
 
@@ -95,10 +95,7 @@ def awq_linear(
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be [T, {k}] with a contiguous last dimension")
     rows = x.shape[0]
-    if out is None:
-        out = torch.empty(rows, n, dtype=scales.dtype, device=x.device)
-    elif out.shape != (rows, n) or out.dtype != scales.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be {scales.dtype} [{rows}, {n}] with a contiguous last dimension")
+    out = rows_out(out, rows, n, scales.dtype, x.device)
     if rows == 0:
         return out
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64

@@ -23,12 +23,12 @@ from deployments.engine.gpu_kernels._triton import (
     jit,
     next_power_of_2,
     require_triton,
+    sm_count,
     tl,
 )
 
 LOG2E = 1.4426950408889634
 MIN_PARTITION = 256  # positions; shorter partitions cost more in the combine than they save
-DEFAULT_SMS = 132  # H100 SXM; stands in when the device has no SM count (the CPU interpreter)
 
 
 @jit
@@ -128,18 +128,12 @@ def _combine_kernel(
     )
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return DEFAULT_SMS
-
-
 def num_partitions(batch: int, kv_heads: int, max_positions: int, device: torch.device) -> int:
     """Split-K partitions per sequence, from shapes only. Measured on an H200 (bench-1b, bf16): about four
     programs per SM is best, and with two per SM unsplit already beats any split; no partition is shorter
     than MIN_PARTITION positions."""
     programs = batch * kv_heads
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if programs >= 2 * sms:
         return 1
     return max(1, min(cdiv(4 * sms, programs), max_positions // MIN_PARTITION))
