@@ -11,14 +11,17 @@ keeps naming the same bytes for as long as the adapter id exists.
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from pathlib import Path
 
 from adapters.errors import AdapterInvalid, AdapterNotFound
+from adapters.private_dir import UnsafeDirectory, open_plain_dir
 from adapters.ref import AdapterRef
 from adapters.spec import CONFIG_FILE, WEIGHTS_FILE
 
@@ -29,6 +32,7 @@ TOMBSTONE = re.compile(r"v([1-9][0-9]*)\.deleted")
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _MAX_PUBLISH_ATTEMPTS = 10_000  # only reached if versions are taken faster than we can list them
+log = logging.getLogger(__name__)
 
 
 class DirectoryStore:
@@ -136,35 +140,48 @@ class DirectoryStore:
 def remove_stale(directory: Path, max_age_s: float) -> int:
     """Remove the entries of `directory` in which nothing was written for `max_age_s`: what a process killed
     mid-upload or mid-publish left. An entry still being written stays, since its newest mtime (the files
-    inside included: appending to a file does not touch its directory) is recent. Returns how many."""
+    inside included: appending to a file does not touch its directory) is recent. Returns how many.
+
+    Links are never followed: not `directory` itself (one planted in its place would hand us another
+    directory to empty), nor anything inside; everything is opened relative to the directory's descriptor."""
     cutoff = time.time() - max_age_s
+    try:
+        fd = open_plain_dir(directory)
+    except UnsafeDirectory as error:
+        log.warning("not cleaning up: %s", error)
+        return 0
+    if fd is None:
+        return 0
     removed = 0
     try:
-        entries = list(directory.iterdir())
-    except FileNotFoundError:
-        return 0
-    for entry in entries:
-        try:
-            stale = _newest_mtime(entry) < cutoff
-        except FileNotFoundError:
-            continue  # finished or removed meanwhile
-        if stale:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+        for name in os.listdir(fd):
+            try:
+                is_dir, newest = _newest_mtime(name, fd)
+                if newest >= cutoff:
+                    continue
+                if is_dir:
+                    shutil.rmtree(name, ignore_errors=True, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                continue  # finished or removed meanwhile
             removed += 1
+    finally:
+        os.close(fd)
     return removed
 
 
-def _newest_mtime(entry: Path) -> float:
-    newest = entry.lstat().st_mtime
-    if entry.is_dir() and not entry.is_symlink():
-        for parent, dirs, files in os.walk(entry):
-            for name in [*dirs, *files]:
-                with contextlib.suppress(FileNotFoundError):
-                    newest = max(newest, os.lstat(os.path.join(parent, name)).st_mtime)
-    return newest
+def _newest_mtime(name: str, dir_fd: int) -> tuple[bool, float]:
+    """(whether `name` is a real directory, the newest mtime in it), never through a link."""
+    info = os.lstat(name, dir_fd=dir_fd)
+    if not stat.S_ISDIR(info.st_mode):
+        return False, info.st_mtime
+    newest = info.st_mtime
+    for _, dirs, files, root_fd in os.fwalk(name, dir_fd=dir_fd):  # follow_symlinks=False
+        for entry in [*dirs, *files]:
+            with contextlib.suppress(FileNotFoundError):
+                newest = max(newest, os.lstat(entry, dir_fd=root_fd).st_mtime)
+    return True, newest
 
 
 def check_source(adapter_id: str, src_dir: Path) -> None:

@@ -65,3 +65,9 @@ class AdapterStoreUnavailable(AdapterError):
         super().__init__(f"adapter store {store} is unavailable: {reason}")
         self.store = store
         self.reason = reason
+
+
+class AdapterStoreUnsafe(AdapterStoreUnavailable):
+    """The store cannot take uploads safely: it does not refuse a second create of one object, so two
+    writers could take one version number and overwrite each other's files. Uploads are refused until
+    the operator points the platform at a store that does; reading is unaffected."""

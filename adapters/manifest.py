@@ -13,6 +13,8 @@ from pathlib import Path
 
 from adapters.errors import AdapterLoadFailed
 from adapters.ref import AdapterRef
+from adapters.registered_digest import RegisteredDigest
+from adapters.spec import WEIGHTS_FILE
 
 MANIFEST_FILE = "manifest.json"
 _FORMAT = 1
@@ -60,6 +62,16 @@ class Manifest:
         if any("/" in name or name.startswith(".") or name == MANIFEST_FILE for name in files):
             raise AdapterLoadFailed(str(ref), f"its manifest names unsafe files {sorted(files)}")
         return cls(ref, files)
+
+    def contradiction(self, registered: RegisteredDigest) -> str | None:
+        """How this manifest disagrees with what the registry recorded at upload; None if it agrees."""
+        weights = self.files.get(WEIGHTS_FILE)
+        if weights is None or weights.sha256 != registered.weights_sha256:
+            return f"its {WEIGHTS_FILE} is not the one registered (sha256 differs)"
+        size = sum(digest.size for digest in self.files.values())
+        if size != registered.size_bytes:
+            return f"its files hold {size} bytes, the registry recorded {registered.size_bytes}"
+        return None
 
     def problems(self, directory: Path, names: Iterable[str] | None = None) -> list[str]:
         """How the files in `directory` (all, or those `names`) differ from this manifest: missing, wrong

@@ -12,6 +12,14 @@ Layout under the cache directory (owner-only, like the store):
     .configs/<id>/v<N>.<key>/adapter_config.json
                         the config alone, for checking a version without fetching its weights
 
+The directory and its subfolders are created owner-only without following links, and refused (with
+UnsafeDirectory, at start) unless they are real directories of this user that nobody else can write:
+the default location is a predictable path under /tmp, where another user could have planted a link
+for our cleanup to follow. Each version's manifest is checked against the registry's digest of it
+(`digests`, on nodes that can read the registry) before the manifest is trusted with the files, in the
+store and in the cache alike: an entry that disagrees is thrown away and fetched again, and a stored
+version that disagrees is refused.
+
 Several replicas (processes) on one node share it. An entry appears by one rename of a complete, verified
 copy, so nobody sees half of one. Before an entry is used, its files are checked against its manifest
 (sizes, then sha256; a process skips the hash of files whose inode, size and mtime it already verified):
@@ -36,14 +44,17 @@ from pathlib import Path
 from typing import Protocol
 
 from adapters.directory_store import fsync_path, remove_stale
-from adapters.errors import AdapterLoadFailed
+from adapters.errors import AdapterLoadFailed, AdapterNotFound
 from adapters.manifest import MANIFEST_FILE, Manifest, content_key
+from adapters.private_dir import PRIVATE_DIR_MODE, ensure_private_dir
 from adapters.ref import AdapterRef
+from adapters.registered_digest import DigestSource, RegisteredDigest
 from adapters.spec import CONFIG_FILE
 
 log = logging.getLogger(__name__)
 
-_DIR_MODE = 0o700
+_DIR_MODE = PRIVATE_DIR_MODE
+_SUBDIRS = (".tmp", ".locks", ".trash", ".configs")
 _STALE_FETCH_S = 3600.0  # a fetch untouched this long was killed: its .tmp copy is swept
 DEFAULT_CACHE_BYTES = 10 * 2**30
 
@@ -62,12 +73,17 @@ def default_cache_dir() -> Path:
 
 
 class NodeCache:
-    def __init__(self, root: Path, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(
+        self, root: Path, max_bytes: int = DEFAULT_CACHE_BYTES, digests: DigestSource | None = None
+    ) -> None:
+        """`digests`: the registry's, where this node can read it; without, manifests are trusted."""
         if max_bytes < 1:
             raise ValueError(f"the adapter cache needs a positive size bound, got {max_bytes} bytes")
         self.root = root
         self.max_bytes = max_bytes
         self.fetches = 0  # copies this process made from the store (a test and bench counter)
+        self._digests = digests
+        self._registered: dict[AdapterRef, RegisteredDigest] = {}  # versions are immutable: asked once
         self._verified: dict[Path, tuple[tuple[int, int, int], ...]] = {}
         self._memo_lock = threading.Lock()
         self._dirs()
@@ -96,7 +112,7 @@ class NodeCache:
         if hit is not None:
             return hit
         data = source.manifest_bytes(ref)
-        manifest = Manifest.from_json(data, ref)
+        manifest = self._trusted(ref, data)
         self._dirs()
         parent = self.root / ".configs" / ref.adapter_id
         entry = parent / f"v{ref.version}.{content_key(data)}"
@@ -139,7 +155,7 @@ class NodeCache:
 
     def _fetch(self, ref: AdapterRef, source: VersionSource) -> Path:
         data = source.manifest_bytes(ref)
-        manifest = Manifest.from_json(data, ref)
+        manifest = self._trusted(ref, data)
         staging = self.root / ".tmp" / uuid.uuid4().hex
         staging.mkdir(mode=_DIR_MODE)
         try:
@@ -174,6 +190,9 @@ class NodeCache:
             manifest = Manifest.from_json(data, ref)
         except AdapterLoadFailed as error:
             return [str(error)]
+        contradiction = self._contradiction(ref, manifest)
+        if contradiction is not None:
+            return [contradiction]
         signature = tuple(_signature(entry / name) for name in sorted(manifest.files))
         with self._memo_lock:
             if self._verified.get(entry) == signature:
@@ -183,6 +202,32 @@ class NodeCache:
             with self._memo_lock:
                 self._verified[entry] = signature
         return problems
+
+    def _trusted(self, ref: AdapterRef, data: bytes) -> Manifest:
+        """The store's manifest of `ref`, once it agrees with the registry (else nothing is fetched)."""
+        manifest = Manifest.from_json(data, ref)
+        contradiction = self._contradiction(ref, manifest)
+        if contradiction is not None:
+            log.error("the stored manifest of %s does not match the registry: %s", ref, contradiction)
+            raise AdapterLoadFailed(
+                str(ref), f"the stored version is not the registered one: {contradiction}"
+            )
+        return manifest
+
+    def _contradiction(self, ref: AdapterRef, manifest: Manifest) -> str | None:
+        """How `manifest` disagrees with the registry's digest of `ref`; None if it agrees (or no registry
+        is known here). AdapterNotFound if the registry has no such version."""
+        if self._digests is None:
+            return None
+        with self._memo_lock:
+            registered = self._registered.get(ref)
+        if registered is None:
+            registered = self._digests.registered(ref)
+            if registered is None:
+                raise AdapterNotFound(str(ref))
+            with self._memo_lock:
+                self._registered[ref] = registered
+        return manifest.contradiction(registered)
 
     def _entries(self) -> list[tuple[Path, float, int]]:
         """(entry, last use, bytes) of every entry."""
@@ -221,14 +266,12 @@ class NodeCache:
         shutil.rmtree(trash, ignore_errors=True)
 
     def _dirs(self) -> None:
-        self.root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-        for name in (".tmp", ".locks", ".trash", ".configs"):
-            (self.root / name).mkdir(mode=_DIR_MODE, exist_ok=True)
+        ensure_private_dir(self.root, _SUBDIRS)
 
 
 @contextlib.contextmanager
 def _flock(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -3,13 +3,20 @@
 Objects under the store's prefix, for one adapter id:
 
     <id>/v<N>.claim              the version number N is taken (a conditional create: one writer wins)
+    .uploads/<id>/v<N>           an upload of N is under way (written after the claim, removed after the
+                                 manifest): what `cleanup_tmp` lists, and all it lists
     <id>/v<N>/adapter_config.json, <id>/v<N>/adapter_model.safetensors
     <id>/v<N>/manifest.json      written last: the version exists from now on (see adapters/manifest.py)
     <id>/v<N>.deleted            tombstone: N stays taken after its files are gone
+    .probes/<uuid>               a writer's check that the store refuses a second create (removed again)
 
 The protocol is in adapters/store.py; this module carries it out over fsspec. A conditional create is
 `pipe_file(mode="create")`: S3 `PutObject` with `If-None-Match: *` on s3fs, an exclusive open elsewhere;
 filesystems without one fall back to fsspec's check-then-write, which is not atomic between writers.
+Some S3-compatible services ignore `If-None-Match` and overwrite instead: a writer checks once, before
+its first upload, that a second create of one object fails, and refuses every upload
+(AdapterStoreUnsafe) on a store where it does not; readers (engines, with read-only credentials) never
+write, so they never check.
 Every failure to talk to the store (network, credentials, missing bucket) is AdapterStoreUnavailable.
 """
 
@@ -18,6 +25,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -28,8 +36,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 
-from adapters.directory_store import ADAPTER_FILES, TOMBSTONE, check_id, check_source
-from adapters.errors import AdapterError, AdapterLoadFailed, AdapterNotFound, AdapterStoreUnavailable
+from adapters.directory_store import ADAPTER_FILES, TOMBSTONE, VERSION_DIR, check_id, check_source
+from adapters.errors import (
+    AdapterError,
+    AdapterInvalid,
+    AdapterLoadFailed,
+    AdapterNotFound,
+    AdapterStoreUnavailable,
+    AdapterStoreUnsafe,
+)
 from adapters.manifest import MANIFEST_FILE, Manifest
 from adapters.ref import AdapterRef
 
@@ -38,6 +53,8 @@ log = logging.getLogger(__name__)
 _CLAIM = re.compile(r"v([1-9][0-9]*)\.claim")
 _VERSION_OBJECT = re.compile(r"v([1-9][0-9]*)/(.+)")
 _MAX_CLAIM_ATTEMPTS = 10_000
+_UPLOADS = ".uploads"  # adapter ids never start with a dot, so this prefix is nobody's id
+_PROBES = ".probes"
 # A dead endpoint fails an upload in seconds, not botocore's default minute per attempt. Retries stay
 # botocore's (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE or the AWS config file decide).
 _S3_OPTIONS: dict[str, Any] = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60}}
@@ -56,16 +73,34 @@ class ObjectStore:
             message = f"adapter store {self.url}: install the package for {protocol}:// ({error})"
             raise ValueError(message) from None
         self._root = root.rstrip("/")
+        self._create_fault: str | None = None  # why this store cannot take uploads, once checked
+        self._create_checked = False
+        self._check_lock = threading.Lock()
+
+    def check_conditional_create(self) -> str | None:
+        """Check, once per process, that the store refuses to create an object twice; the reason it
+        cannot take uploads, or None. AdapterStoreUnavailable (and no verdict) if it cannot be asked."""
+        with self._check_lock:
+            if not self._create_checked:
+                self._create_fault = self._probe_conditional_create()
+                self._create_checked = True
+                if self._create_fault is not None:
+                    log.error("adapter store %s refuses uploads: %s", self.url, self._create_fault)
+            return self._create_fault
 
     # -- writing ---------------------------------------------------------------------------------------
 
     def put_dir(self, adapter_id: str, src_dir: Path) -> AdapterRef:
         """Claim the next version number, upload the two files, then publish the manifest (last)."""
         check_source(adapter_id, src_dir)
+        fault = self.check_conditional_create()
+        if fault is not None:
+            raise AdapterStoreUnsafe(self.url, fault)
         with self._calls("upload", missing_is_failure=True):
             version = self._claim(adapter_id)
             ref = AdapterRef(adapter_id, version)
             manifest = Manifest.of_dir(ref, src_dir, ADAPTER_FILES)
+            self._fs.pipe_file(self._upload_marker(ref), b"")
             try:
                 for name in ADAPTER_FILES:
                     self._fs.put_file(str(src_dir / name), self._key(ref, name))
@@ -76,6 +111,9 @@ class ObjectStore:
                 with contextlib.suppress(Exception):  # best effort: the claim keeps N taken regardless
                     self._remove_files(ref)
                 raise
+            finally:
+                with contextlib.suppress(Exception):  # left behind, the sweep removes it
+                    self._fs.rm_file(self._upload_marker(ref))
         return ref
 
     def delete(self, adapter_id: str) -> None:
@@ -102,29 +140,33 @@ class ObjectStore:
             self._remove_files(ref)
 
     def cleanup_tmp(self, max_age_s: float) -> int:
-        """Remove the files of versions that never got a manifest (their writer died) once nothing was
-        written to them for `max_age_s`; their claims stay, so the numbers are not reused. Returns how many
-        versions were swept."""
+        """Remove the files of uploads that never got a manifest (their writer died) once nothing was
+        written to them for `max_age_s`; their claims stay, so the numbers are not reused. Lists only the
+        store's own `.uploads/` prefix (and then each stale upload's version): never the rest of the
+        bucket, which may hold anything. Returns how many versions were swept."""
         cutoff = time.time() - max_age_s
+        prefix = f"{self._root}/{_UPLOADS}"
         with self._calls("sweep"):
-            details = self._fs.find(self._root, detail=True) if self._fs.exists(self._root) else {}
-        newest: dict[tuple[str, int], float] = {}
-        published: set[tuple[str, int]] = set()
-        for key, info in details.items():
-            parts = key[len(self._root) + 1 :].split("/", 1)
-            if len(parts) != 2 or (match := _VERSION_OBJECT.fullmatch(parts[1])) is None:
-                continue
-            version = (parts[0], int(match[1]))
-            if match[2] == MANIFEST_FILE:
-                published.add(version)
-            newest[version] = max(newest.get(version, 0.0), _mtime(info))
+            markers = self._fs.find(prefix, detail=True)
         swept = 0
-        for (adapter_id, number), mtime in newest.items():
-            if (adapter_id, number) not in published and mtime < cutoff:
-                log.info("sweeping %s@v%d: files without a manifest since %s", adapter_id, number, mtime)
-                with self._calls("sweep"):
-                    self._remove_files(AdapterRef(adapter_id, number))
-                swept += 1
+        for marker, info in markers.items():
+            parts = marker[len(prefix) + 1 :].split("/")
+            if len(parts) != 2 or (match := VERSION_DIR.fullmatch(parts[1])) is None:
+                continue
+            ref = AdapterRef(parts[0], int(match[1]))
+            try:
+                check_id(ref.adapter_id)
+            except AdapterInvalid:  # not a marker we wrote: the ids we write are valid
+                continue
+            with self._calls("sweep"):
+                files = self._fs.find(self._key(ref, ""), detail=True)
+                if max([_mtime(info), *(_mtime(i) for i in files.values())]) >= cutoff:
+                    continue  # a writer may still be at work
+                if self._key(ref, MANIFEST_FILE) not in files:  # else it finished but died before this
+                    log.info("sweeping %s: an upload that never got its manifest", ref)
+                    self._remove_files(ref)
+                    swept += 1
+                self._fs.rm_file(marker)
         return swept
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -212,10 +254,26 @@ class ObjectStore:
 
     def _remove_files(self, ref: AdapterRef) -> None:
         keys = [self._key(ref, name) for name in (*ADAPTER_FILES, MANIFEST_FILE)]
-        keys += [k for k in self._keys(ref.adapter_id) if k.startswith(self._key(ref, "")) and k not in keys]
+        keys += [k for k in self._fs.find(self._key(ref, "")) if k not in keys]  # this version's alone
         for key in keys:
             with contextlib.suppress(FileNotFoundError):
                 self._fs.rm_file(key)
+
+    def _probe_conditional_create(self) -> str | None:
+        probe = f"{self._root}/{_PROBES}/{uuid.uuid4().hex}"
+        with self._calls("probe", missing_is_failure=True):
+            self._fs.pipe_file(probe, b"1", mode="create")
+            try:
+                self._fs.pipe_file(probe, b"2", mode="create")
+            except FileExistsError:
+                return None
+            finally:
+                with contextlib.suppress(Exception):
+                    self._fs.rm_file(probe)
+        return "it let one object be created twice (conditional creates, If-None-Match, are not honoured)"
+
+    def _upload_marker(self, ref: AdapterRef) -> str:
+        return f"{self._root}/{_UPLOADS}/{ref.adapter_id}/v{ref.version}"
 
     def _adapter_prefix(self, adapter_id: str) -> str:
         return f"{self._root}/{adapter_id}"

@@ -18,12 +18,15 @@ is installed (adapters/object_store.py). Every backend keeps the same guarantees
   fails. In an object store, a writer first claims N by a conditional create of `<id>/v<N>.claim` (S3
   `PutObject` with `If-None-Match: *`); only the claimant ever writes under `<id>/v<N>/`, and a loser
   moves on to the next free number. Claims and tombstones both count as taken.
-- The store failing (unreachable, refused) is AdapterStoreUnavailable, never a wrong answer.
+- The store failing (unreachable, refused) is AdapterStoreUnavailable, never a wrong answer. An object
+  store that does not refuse a second create of one object cannot keep writers apart: uploads to it are
+  refused with AdapterStoreUnsafe (`check_writes` asks once, at the ingress's start).
 
 Reading: `path(ref)` is a local directory holding the version's files. For a local store it is the
 store's own directory (no copy); for an object store it is the node cache's verified copy
 (adapters/node_cache.py), fetched on a miss. A cache hit, and `exists` of a cached version, need no store
-access, so adapters already on a node keep serving while the store is down.
+access, so adapters already on a node keep serving while the store is down. Given the registry's digests
+(`digests`), the node cache checks every version against them, not only against its own manifest.
 """
 
 from pathlib import Path
@@ -34,6 +37,7 @@ from adapters.errors import AdapterNotFound
 from adapters.node_cache import DEFAULT_CACHE_BYTES, NodeCache, default_cache_dir
 from adapters.object_store import ObjectStore
 from adapters.ref import AdapterRef
+from adapters.registered_digest import DigestSource
 
 __all__ = ["ADAPTER_FILES", "AdapterStore", "remove_stale", "store_location"]
 
@@ -65,8 +69,10 @@ class AdapterStore:
         *,
         cache_dir: Path | None = None,
         cache_max_bytes: int = DEFAULT_CACHE_BYTES,
+        digests: DigestSource | None = None,
     ) -> None:
-        """`cache_dir`, `cache_max_bytes`: the node cache of an object store (unused for a local one)."""
+        """`cache_dir`, `cache_max_bytes`, `digests` (the registry's): the node cache of an object store
+        (unused for a local one)."""
         self.location = store_location(location)
         self.cache: NodeCache | None = None
         self._local: DirectoryStore | None = None
@@ -75,7 +81,7 @@ class AdapterStore:
             self._local = DirectoryStore(self.location)
         else:
             self._remote = ObjectStore(self.location)
-            self.cache = NodeCache(cache_dir or default_cache_dir(), cache_max_bytes)
+            self.cache = NodeCache(cache_dir or default_cache_dir(), cache_max_bytes, digests)
 
     @property
     def root(self) -> Path:
@@ -86,6 +92,11 @@ class AdapterStore:
 
     def __str__(self) -> str:
         return str(self._local.root) if self._local else self._backend_url()
+
+    def check_writes(self) -> str | None:
+        """Why uploads to this store are refused, or None (a local store always takes them). Asks an
+        object store once per process; AdapterStoreUnavailable if it cannot be asked now."""
+        return None if self._remote is None else self._remote.check_conditional_create()
 
     def put_dir(self, adapter_id: str, src_dir: Path) -> AdapterRef:
         """Copy the adapter's two files from `src_dir` into a new version: highest existing + 1, from 1."""

@@ -3,8 +3,9 @@
 Revocation, expiry and tenant disabling take effect within `ttl` seconds on every ingress replica. Keys the
 database refused are cached for the same `ttl` (a negative cache), so a key created a moment after someone
 tried it also works within `ttl`; a repeated bogus key costs one lookup per `ttl`, and a client whose
-lookups keep failing is throttled (app/auth_failures.py) before it reaches the database again. Concurrent
-requests with the same uncached key share one lookup, so a burst of one key is one query, not one per request.
+lookups keep failing is throttled (app/auth_failures.py: per address and key prefix) before it reaches the
+database again. Concurrent requests with the same uncached key share one lookup, so a burst of one key is
+one query, not one per request.
 """
 
 import asyncio
@@ -89,7 +90,7 @@ class Authenticator:
 
     def _start(self, key: str, cache_key: str, client: str | None, now: float) -> "asyncio.Future[Principal]":
         if client is not None and self._failures is not None:
-            wait = self._failures.retry_after(client, now)
+            wait = self._failures.retry_after(client, _prefix(key), now)
             if wait is not None:
                 raise TooManyFailedAuthentications(wait)
         task = asyncio.ensure_future(self._resolve(key, cache_key, client, now))
@@ -109,16 +110,16 @@ class Authenticator:
         except InvalidApiKey:
             _bounded(self._refused)[cache_key] = now + self._ttl
             if client is not None and self._failures is not None:
-                self._failures.failed(client, now)
+                self._failures.failed(client, _prefix(key), now)
             raise
+        if self._failures is not None:
+            self._failures.succeeded(_prefix(key))
         _bounded(self._cache)[cache_key] = (now + self._ttl, principal)
         return principal
 
     def _lookup(self, key: str) -> Principal:
-        prefix = parse_prefix(key)
-        assert prefix is not None
         with self._sessions() as session:
-            found = repository.find_active_key(session, prefix=prefix, now=datetime.now(UTC))
+            found = repository.find_active_key(session, prefix=_prefix(key), now=datetime.now(UTC))
             if found is None or not verify_key(self._secret, key, found[0].key_hash):
                 raise InvalidApiKey()
             api_key, tenant = found
@@ -130,6 +131,12 @@ class Authenticator:
                 key_id=api_key.id,
                 limits=limits_for(tier, tenant),
             )
+
+
+def _prefix(key: str) -> str:
+    prefix = parse_prefix(key)
+    assert prefix is not None  # only well-formed keys get past authenticate()
+    return prefix
 
 
 def _bounded(cache: dict[str, V]) -> dict[str, V]:

@@ -1,7 +1,11 @@
 """build_services: wire settings, database, catalog and an engine client into Services."""
 
+import logging
+
+from adapters.errors import AdapterStoreUnavailable
 from adapters.store import AdapterStore, remove_stale
 from app.adapter_resolver import AdapterResolver
+from app.admin_auth import AdminAuth
 from app.auth_failures import FailureThrottle
 from app.authenticator import Authenticator
 from app.catalog import BaseModelSpec, ModelCatalog
@@ -20,6 +24,18 @@ from billing import migrate
 from billing.db import make_engine, make_session_factory
 from billing.schema_gate import SchemaGate
 from deployments.engine.interface import EngineClient
+
+log = logging.getLogger(__name__)
+
+
+def adapter_store(settings: Settings) -> AdapterStore:
+    """The adapter store as this process sees it: an object store read through the configured node
+    cache (never the per-user default under /tmp)."""
+    return AdapterStore(
+        settings.resolved_adapter_store(),
+        cache_dir=settings.resolved_adapter_cache_dir(),
+        cache_max_bytes=settings.adapter_cache_mb * 2**20,
+    )
 
 
 def build_services(
@@ -43,7 +59,13 @@ def build_services(
     secret = settings.resolved_key_secret()
     outbox = Outbox(settings.data_dir / "outbox.sqlite")
     delivery = UsageDelivery(outbox, metering or DatabaseSink(session_factory))
-    store = AdapterStore(settings.resolved_adapter_store())
+    store = adapter_store(settings)
+    # The ingress writes to the store: a store that would let two uploads overwrite each other is found
+    # now, and said so in the log, instead of on the first upload.
+    try:
+        store.check_writes()
+    except AdapterStoreUnavailable as error:  # asked again on the first upload
+        log.warning("could not check the adapter store for uploads at start: %s", error)
     # What uploads killed mid-way left behind; nothing else ever removes it.
     store.cleanup_tmp(settings.leftover_max_age_s)
     remove_stale(settings.data_dir / UPLOADS_DIR, settings.leftover_max_age_s)
@@ -56,10 +78,13 @@ def build_services(
             secret,
             ttl=settings.auth_cache_ttl_s,
             failures=FailureThrottle(
-                limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s
+                limit=settings.auth_failure_limit,
+                per_key_limit=settings.auth_failure_limit_per_key,
+                window_s=settings.auth_failure_window_s,
             ),
             key_usage=KeyUsageRecorder(session_factory, interval_s=settings.key_last_used_interval_s),
         ),
+        admin_auth=AdminAuth(settings),
         catalog=ModelCatalog.from_specs(models),
         engine=engine,
         adapters=AdapterResolver(session_factory, ttl=settings.adapter_cache_ttl_s),

@@ -3,7 +3,8 @@
 A request runs `n` choices for each of its prompts (a /v1/completions prompt list), all in one engine
 request; output `index` p * n + j is prompt p's choice j, OpenAI's order. Each choice keeps its own text,
 logprobs, finish reason and, for chat with tools, its tool-call parser. `final` builds whole choices
-(a JSON body); `chunk` turns one output into the stream's choice deltas.
+(a JSON body); `chunk` turns one output into the stream's choice deltas. `heavy` says when that work (and
+rendering it as JSON) is too much for the event loop every other request shares.
 """
 
 from dataclasses import dataclass, field
@@ -23,10 +24,14 @@ from app.schemas.openai import (
     ToolCallDelta,
     ToolCallOut,
 )
-from app.tool_calls import ParsedCall, ToolCallStream, parse
+from app.tool_calls import BEGIN, ParsedCall, ToolCallStream, parse
 from deployments.engine.interface import FinishReason, RequestOutput, TokenLogprob
 
 Kind = Literal["chat", "completion"]
+# Past these a response (or one stream piece) is shaped and rendered in the thread pool: below them the
+# work is well under a millisecond, less than the hop to a thread and back.
+HEAVY_CHARS = 1 << 16  # characters of text in it
+HEAVY_BLOCKS = 64  # tool-call openings to parse (each closed one is a JSON decode)
 
 
 @dataclass(frozen=True)
@@ -66,17 +71,44 @@ class Choices:
         self.texts = texts
         self.total = len(prompts) * shape.n
         self._choices: dict[int, _Choice] = {}
+        self._chars = 0  # text added so far, all choices together
 
     def heavy(self, out: RequestOutput | None = None) -> bool:
-        """Whether shaping `out` (or the whole response, for None) formats many logprobs: a prompt's (an
-        echo), or every token of every choice. The caller then does it off the event loop."""
-        if self.shape.logprobs is None:
-            return False
-        return out is None or out.prompt_logprobs is not None
+        """Whether shaping `out` as a stream piece (or, for None, the whole response) and rendering it is
+        more than the event loop should do: many logprobs (a prompt's, or every token of every choice), a
+        large text (an echo, a long output, a tool call's held text coming out), or many tool-call blocks
+        to parse. The caller then does it in the thread pool."""
+        if out is None:
+            return (
+                self.shape.logprobs is not None
+                or self._chars >= HEAVY_CHARS
+                or self._openings(["".join(c.text) for c in self._choices.values()]) >= HEAVY_BLOCKS
+            )
+        if self.shape.logprobs is not None and out.prompt_logprobs is not None:
+            return True
+        return self._piece_chars(out) >= HEAVY_CHARS or self._openings([out.text]) >= HEAVY_BLOCKS
+
+    def _openings(self, texts: list[str]) -> int:
+        """Tool-call openings to parse in `texts` (only counted below HEAVY_CHARS: cheap)."""
+        if self.kind != "chat" or not self.shape.tool_names:
+            return 0
+        return sum(text.count(BEGIN) for text in texts)
+
+    def _piece_chars(self, out: RequestOutput) -> int:
+        """Characters of text the stream piece for `out` carries."""
+        chars = len(out.text)
+        choice = self._choices.get(out.index)
+        if self.shape.echo is not None and (choice is None or not choice.seen):
+            chars += len(self.shape.echo[out.index // self.shape.n])
+        ends = out.finish_reason is not None or out.finished
+        if choice is not None and choice.tools is not None and (ends or choice.tools.closes(out.text)):
+            chars += choice.tools.held
+        return chars
 
     def reset(self) -> None:
         """Start over (the request runs again after a lost replica)."""
         self._choices.clear()
+        self._chars = 0
 
     def _get(self, index: int) -> _Choice:
         choice = self._choices.get(index)
@@ -95,6 +127,7 @@ class Choices:
         text, piece = self._completion_piece(choice, out) if self.kind == "completion" else (out.text, None)
         choice.seen = True
         choice.text.append(text)
+        self._chars += len(text)
         if piece is not None:
             choice.pieces.append(piece)
         if self.kind == "chat" and self.shape.logprobs is not None and out.logprobs:

@@ -12,3 +12,10 @@ def client_address(request: Request, header: str) -> str | None:
         if last:
             return last
     return request.client.host if request.client else None
+
+
+def client_of(request: Request) -> str | None:
+    """client_address with the header this listener trusts (app.state.client_ip_header, set by create_app:
+    none on the admin listener, which is reached directly, so a caller there cannot name its address)."""
+    header: str = request.app.state.client_ip_header
+    return client_address(request, header)

@@ -7,9 +7,9 @@ from typing import Any, get_args
 import yaml
 
 from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
-from adapters.store import AdapterStore
 from app.adapter_ingest import AdapterIngest
 from app.auth import generate_key
+from app.bootstrap import adapter_store
 from app.catalog import BaseModelSpec, ModelCatalog
 from app.dependency_noise import import_quietly
 from app.modelprep.demo_model import Arch, ensure_model
@@ -66,7 +66,7 @@ def prepare(settings: Settings, config_path: Path) -> DemoSetup:
             max_num_seqs=engine.max_num_seqs,
         )
     catalog = ModelCatalog.from_specs(specs)
-    ingest = AdapterIngest(catalog, AdapterStore(settings.resolved_adapter_store()), sessions)
+    ingest = AdapterIngest(catalog, adapter_store(settings), sessions)
     adapters: list[str] = []
     for base in catalog:
         if base.name.startswith("demo-"):

@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from app.authenticator import Principal
-from app.client_address import client_address
+from app.client_address import client_of
 from app.errors import ReadRateLimited
 from app.middleware import request_id_of
 from app.read_budget import ReadBudget
@@ -31,8 +31,7 @@ async def get_principal(
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is not None:
         return principal
-    client = client_address(request, services.settings.client_ip_header)
-    return await services.authenticator.authenticate(authorization, client)
+    return await services.authenticator.authenticate(authorization, client_of(request))
 
 
 TenantDep = Annotated[Principal, Depends(get_principal)]

@@ -16,7 +16,13 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters.errors import AdapterError, AdapterInvalid, AdapterNotFound, AdapterStoreUnavailable
+from adapters.errors import (
+    AdapterError,
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterStoreUnavailable,
+    AdapterStoreUnsafe,
+)
 from app.limits import Decision, InvalidTokenCount, LimiterUnavailable, Limits
 from billing.errors import (
     ApiKeyNotFound,
@@ -198,10 +204,10 @@ def _retry_after(seconds: float) -> dict[str, str]:
 
 
 class TooManyFailedAuthentications(APIError):
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float, credential: str = "API keys") -> None:
         # Says nothing about any key: only that this client has failed too often.
         message = (
-            "Too many requests with invalid API keys from this client. Please try again in "
+            f"Too many requests with invalid {credential} from this client. Please try again in "
             f"{math.ceil(retry_after_s)}s."
         )
         super().__init__(
@@ -219,10 +225,10 @@ class ReadRateLimited(APIError):
 
 
 class NotReady(APIError):
-    def __init__(self, details: str) -> None:
-        super().__init__(
-            503, f"Not ready: {details}", type="server_error", code="not_ready", headers={"retry-after": "1"}
-        )
+    def __init__(self, details: str | None) -> None:
+        """`details`: the failed checks, where this listener names them."""
+        message = f"Not ready: {details}" if details else "Not ready."
+        super().__init__(503, message, type="server_error", code="not_ready", headers={"retry-after": "1"})
 
 
 def to_api_error(error: Exception) -> APIError:
@@ -254,6 +260,13 @@ def to_api_error(error: Exception) -> APIError:
         )
     if isinstance(error, AdapterNotFound):
         return APIError(404, str(error), param="model", code="model_not_found")
+    if isinstance(error, AdapterStoreUnsafe):  # not transient: no retry-after; the reason is in the log
+        log.error("adapter upload refused: %s", error)
+        message = (
+            "Adapter uploads are disabled: the adapter store does not refuse a second create of one object, "
+            "so concurrent uploads could overwrite each other. The server log says more."
+        )
+        return APIError(503, message, type="server_error", code="adapter_uploads_disabled")
     if isinstance(
         error, AdapterStoreUnavailable
     ):  # where and why stay in the log (the URL is the operator's)

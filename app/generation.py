@@ -329,10 +329,13 @@ class Generation:
             raise error
         await uncancellable(self.close("completed"))
         if choices.heavy():
-            body = await run_in_threadpool(self._final_body, choices, last)
-        else:
-            body = self._final_body(choices, last)
-        return JSONResponse(body, headers=headers)
+            return await run_in_threadpool(self._final_response, choices, last, headers)
+        return self._final_response(choices, last, headers)
+
+    def _final_response(self, choices: Choices, last: RequestOutput, headers: dict[str, str]) -> JSONResponse:
+        """The body shaped (tool calls parsed, logprobs built) and rendered: a JSONResponse renders its
+        bytes as it is made, so all of the work happens wherever this runs."""
+        return JSONResponse(self._final_body(choices, last), headers=headers)
 
     def _final_body(self, choices: Choices, last: RequestOutput) -> dict[str, Any]:
         usage = usage_block(last.usage)
@@ -364,11 +367,12 @@ class Generation:
                     status = "failed"
                     yield _event(GenerationFailed(out.error).body())
                     return
-                pieces = (
-                    await run_in_threadpool(choices.chunk, out) if choices.heavy(out) else choices.chunk(out)
-                )
-                for choice in pieces:
-                    yield _event(self._chunk(created, choice))
+                if choices.heavy(out):
+                    events = await run_in_threadpool(self._events, created, choices, out)
+                else:
+                    events = self._events(created, choices, out)
+                for event in events:
+                    yield event
                 if out.finished:
                     out = None
                 else:
@@ -385,6 +389,10 @@ class Generation:
         finally:
             # Leaving early (client gone, cancellation) stops the engine request and bills what it did.
             await uncancellable(self.close(status))
+
+    def _events(self, created: int, choices: Choices, out: RequestOutput) -> list[str]:
+        """The stream's events for one output, shaped and rendered."""
+        return [_event(self._chunk(created, choice)) for choice in choices.chunk(out)]
 
     def _chunk(self, created: int, choice: ChatChunkChoice | CompletionChoice) -> dict[str, Any]:
         if isinstance(choice, ChatChunkChoice):

@@ -2,6 +2,9 @@
 
 `routes` picks what one listener serves: everything (the default), the tenant API alone, or the admin API
 alone, for operators who keep /admin on a listener of its own (Settings.admin_listen) behind a firewall.
+The tenant-facing listeners ("all", "tenant") show the API docs and name /readyz's checks only where the
+settings say so (`public_docs`, `public_readiness_checks`); the admin listener, private, always does, and
+trusts no client-address header (it is reached directly).
 """
 
 import contextlib
@@ -29,15 +32,22 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: 
         yield
         await services.delivery.stop()
 
+    settings = services.settings
+    private = routes == "admin"
+    docs = private or settings.public_docs
     app = FastAPI(
         title="loraplex",
         description="OpenAI-compatible multi-tenant LoRA serving.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     app.state.services = services
+    app.state.client_ip_header = "" if private else settings.client_ip_header
+    app.state.readiness_checks = private or settings.public_readiness_checks
     install_error_handlers(app)
-    settings = services.settings
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=settings.max_body_kb * 1024,

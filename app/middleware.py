@@ -7,9 +7,13 @@ collide with another tenant's running request, or be replayed to dodge a usage r
 A pure ASGI middleware (BaseHTTPMiddleware buffers and breaks streaming). It also turns any exception
 that escaped the routes into the OpenAI 500 shape, because Starlette's own last-resort handler sits
 outside the middleware stack and would drop the header. It binds both ids to the log context, so every log
-line of the request carries them.
+line of the request carries them, and logs one "client disconnected" line for a client that left before
+its response was complete (mid-body or mid-stream), however the server reports it: an `http.disconnect`
+message, Starlette's ClientDisconnect, or the handler cancelled (Ray Serve's way). An ordinary event,
+never a traceback.
 """
 
+import asyncio
 import logging
 import re
 import uuid
@@ -44,12 +48,26 @@ class RequestContextMiddleware:
         request_id = new_request_id()
         trace_id = incoming if _VALID_ID.match(incoming) else request_id
         scope.setdefault("state", {}).update(request_id=request_id, trace_id=trace_id)
-        started = False
+        started = finished = gone = False
+
+        def client_gone() -> None:
+            nonlocal gone
+            if not gone and not finished:
+                log.info("client disconnected (request %s)", request_id)
+            gone = True
+
+        async def receive_watching() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                client_gone()
+            return message
 
         async def send_with_id(message: Message) -> None:
-            nonlocal started
+            nonlocal started, finished
             if message["type"] == "http.response.start":
                 started = True
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
             if message["type"] == "http.response.start" and self.emit_header:
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                 headers.append((b"x-request-id", trace_id.encode()))
@@ -58,9 +76,12 @@ class RequestContextMiddleware:
 
         bound = log_context.bind(request_id=request_id, trace_id=trace_id)
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_watching, send_with_id)
         except ClientDisconnect:  # the client went away mid-request: nobody to answer
-            log.info("client disconnected (request %s)", request_id)
+            client_gone()
+        except asyncio.CancelledError:
+            client_gone()
+            raise
         except Exception as error:
             if started:  # mid-stream: the body already began; nothing left to do but log
                 log.exception("error after the response started (request %s)", request_id)

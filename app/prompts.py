@@ -80,6 +80,11 @@ class PromptBuilder:
         except TemplateError as error:  # a template that refuses this conversation (raise_exception)
             message = f"This model's chat template refused the messages: {error}"
             raise InvalidParameter(message, param="messages") from None
+        except RecursionError:  # JSON nested past what the decoder or the template's rendering goes
+            message = (
+                "The messages nest too deeply to render (a tool call's arguments, or a tool's parameters)."
+            )
+            raise InvalidParameter(message, param="messages") from None
         assert isinstance(ids, list)
         return [int(i) for i in ids]  # type: ignore[arg-type]
 

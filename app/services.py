@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session
 from adapters.ref import AdapterRef
 from adapters.store import AdapterStore
 from app.adapter_resolver import AdapterResolver
+from app.admin_auth import AdminAuth
 from app.authenticator import Authenticator, Principal
 from app.catalog import BaseModelEntry, ModelCatalog
 from app.errors import ModelNotFound
@@ -33,6 +34,7 @@ class Services:
     key_secret: bytes  # keys' HMAC secret, resolved once
     session_factory: Callable[[], Session]
     authenticator: Authenticator
+    admin_auth: AdminAuth
     catalog: ModelCatalog
     engine: EngineClient
     adapters: AdapterResolver

@@ -6,17 +6,21 @@ Built by the caller (a deployment's constructor, the CLI), never at import time.
 import secrets
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adapters.store import store_location
 from app.private_files import publish_secret
+from app.schemas.openai import MAX_PROMPTS
 from billing.db import PoolConfig
 from deployments.engine.interface import MAX_N
 
+MIN_ADMIN_KEY_BYTES = 32
+
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore")
+    # hide_input_in_errors: a refused value (a short admin key, a database URL) never reaches a log.
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", hide_input_in_errors=True)
 
     data_dir: Path = Field(default=Path("var"), description="Where the embedded defaults keep their files.")
     database_url: str = Field(
@@ -24,7 +28,11 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of the billing database; empty: a SQLite file in data_dir.",
     )
     admin_key: SecretStr = Field(
-        default=SecretStr(""), description="Bearer token for /admin; empty disables the admin API."
+        default=SecretStr(""),
+        description=(
+            f"Bearer token for /admin, at least {MIN_ADMIN_KEY_BYTES} bytes (a shorter one is refused at "
+            "start); empty disables the admin API. Only the nodes running ingress replicas need it."
+        ),
     )
     key_secret: SecretStr = Field(
         default=SecretStr(""),
@@ -72,7 +80,24 @@ class Settings(BaseSettings):
         ge=1,
         description=(
             "Failed key lookups one client address may cause per auth_failure_window_s (per ingress "
-            "replica); past it, keys that need a lookup get 429 until the window ends."
+            "replica); past it, keys that need a lookup get 429 until the window ends, except keys whose "
+            "prefix has authenticated on this replica (a tenant beside the culprit behind one address)."
+        ),
+    )
+    auth_failure_limit_per_key: int = Field(
+        default=10,
+        ge=1,
+        description=(
+            "Failed lookups one client address may cause per auth_failure_window_s with one key prefix; "
+            "past it, that prefix gets 429 from there until the window ends."
+        ),
+    )
+    admin_auth_failure_limit: int = Field(
+        default=10,
+        ge=1,
+        description=(
+            "Failed admin-key checks one client address may make per auth_failure_window_s (per ingress "
+            "replica); past it, every admin call from there gets 429 until the window ends."
         ),
     )
     auth_failure_window_s: float = Field(default=60.0, gt=0, description="Window of auth_failure_limit.")
@@ -80,7 +105,9 @@ class Settings(BaseSettings):
         default="",
         description=(
             "Header a trusted proxy in front puts the client address in (its last entry is used), e.g. "
-            "x-forwarded-for; empty: the connection's peer address."
+            "x-forwarded-for; empty: the connection's peer address. Set it behind a load balancer, else "
+            "the failed-auth throttles count every client as the balancer. The admin listener "
+            "(admin_listen) always uses the peer address."
         ),
     )
     read_rpm: int = Field(
@@ -111,11 +138,28 @@ class Settings(BaseSettings):
             "tenant port no longer serves /admin, so operators can firewall the admin API."
         ),
     )
+    public_docs: bool = Field(
+        default=True,
+        description=(
+            "Serve /docs, /redoc and /openapi.json on the tenant port (with the admin API there too, they "
+            "describe it). The admin listener serves them regardless."
+        ),
+    )
+    public_readiness_checks: bool = Field(
+        default=True,
+        description=(
+            "/readyz on the tenant port names each check (every base model among them); off, it answers "
+            "ready or not only. The admin listener always names them."
+        ),
+    )
     max_messages: int = Field(default=1024, ge=1, description="Most chat messages in one request.")
     max_prompt_chars: int = Field(
         default=1_000_000,
         ge=1,
-        description="Most characters of prompt text (all messages together) one request may send.",
+        description=(
+            "Most characters of prompt text (all messages, or all prompts, together) one request may send; "
+            "a prompt sent as token ids counts each id as one character."
+        ),
     )
     max_n: int = Field(
         default=8,
@@ -126,12 +170,23 @@ class Settings(BaseSettings):
     max_prompts: int = Field(
         default=64,
         ge=1,
-        le=4096,
+        le=MAX_PROMPTS,
         description=(
             "Most prompts in one /v1/completions request (`prompt` as a list); each runs n choices, all "
             "in one engine request."
         ),
     )
+
+    @field_validator("admin_key")
+    @classmethod
+    def _long_admin_key(cls, key: SecretStr) -> SecretStr:
+        value = key.get_secret_value()
+        if value and len(value.encode()) < MIN_ADMIN_KEY_BYTES:
+            raise ValueError(
+                f"admin_key (LORAPLEX_ADMIN_KEY) must be at least {MIN_ADMIN_KEY_BYTES} bytes; make one with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        return key
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"

@@ -8,11 +8,15 @@ name a known tool become OpenAI `tool_calls`; anything else stays content.
 
 `ToolCallStream` does the same while streaming, and never lets a block (or the start of one still
 arriving) leak out as content.
+
+Model output is hostile input here: a `response_format` pattern can force thousands of openings, so both
+parsers read the text in one left-to-right pass (a lazy regex retried every later opening to the end:
+quadratic), and JSON too deep for the decoder is a malformed call, not an error.
 """
 
 import json
-import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +25,6 @@ from app.schemas.openai import ChatCompletionRequest, ResponseFormatText, Tool
 from deployments.engine.interface import StructuredOutput
 
 BEGIN, END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(BEGIN) + r"(.*?)" + re.escape(END), re.DOTALL)
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -39,6 +42,13 @@ def new_call_id() -> str:
 def parse_block(body: str, names: frozenset[str]) -> ParsedCall | None:
     """One block's inside as a call, or None if it is not a well-formed call of a known tool."""
     try:
+        return _call(body, names)
+    except RecursionError:  # nested deeper than the decoder goes: as malformed as any other bad JSON
+        return None
+
+
+def _call(body: str, names: frozenset[str]) -> ParsedCall | None:
+    try:
         value = json.loads(body)
     except ValueError:
         return None
@@ -55,6 +65,18 @@ def parse_block(body: str, names: frozenset[str]) -> ParsedCall | None:
     return ParsedCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
+def blocks(text: str) -> Iterator[tuple[int, int, str]]:
+    """(start, end, inside) of each block, left to right: a block ends at the first END after its BEGIN.
+    One pass: once an opening has no END after it, no later one has either, so the scan stops there."""
+    position = 0
+    while (start := text.find(BEGIN, position)) >= 0:
+        close = text.find(END, start + len(BEGIN))
+        if close < 0:
+            return
+        position = close + len(END)
+        yield start, position, text[start + len(BEGIN) : close]
+
+
 def parse(text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a whole output: calls in order; content is the text outside them, less the
     whitespace before each call and at the end (None when nothing is left). Malformed blocks stay in the
@@ -62,12 +84,12 @@ def parse(text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall
     calls: list[ParsedCall] = []
     pieces: list[str] = []
     position = 0
-    for match in _BLOCK.finditer(text):
-        call = parse_block(match.group(1), names)
+    for start, end, body in blocks(text):
+        call = parse_block(body, names)
         if call is None:
             continue
-        pieces.append(text[position : match.start()].rstrip())
-        position = match.end()
+        pieces.append(text[position:start].rstrip())
+        position = end
         calls.append(call)
     if not calls:
         return text, []
@@ -85,63 +107,91 @@ def _held_prefix(text: str) -> int:
 
 @dataclass
 class ToolCallStream:
-    """Incremental `parse`: feed text as it streams; get content to send and calls as they complete."""
+    """Incremental `parse`: feed text as it streams; get content to send and calls as they complete.
+
+    A feed costs what it adds: a call's inside is kept in pieces, and END is looked for only where the new
+    text (with the few characters before it) could hold one, so a block that never closes costs one pass.
+    """
 
     names: frozenset[str]
     calls: int = 0
-    _buffer: str = ""
-    _in_call: bool = False
-    _blank: str = ""  # whitespace held back: dropped if it only separates calls
+    _pending: str = ""  # outside a call: what could be the start of BEGIN, held back
+    _inside: list[str] | None = None  # inside a call: its text so far, in pieces; None outside one
+    _inside_chars: int = 0
+    _tail: str = ""  # the inside's last len(END) - 1 characters: an END may begin there
+    _blank: list[str] = field(
+        default_factory=list
+    )  # whitespace held back: dropped if it only separates calls
     _events: list[str | ParsedCall] = field(default_factory=list)
 
+    @property
+    def held(self) -> int:
+        """Characters held back, to come out (as content or a call) when a call closes or the output ends."""
+        return len(self._pending) + self._inside_chars
+
+    def closes(self, text: str) -> bool:
+        """Whether feeding `text` closes the call being read, releasing what it holds."""
+        return self._inside is not None and END in self._tail + text
+
     def feed(self, text: str) -> list[str | ParsedCall]:
-        self._buffer += text
-        while True:
-            if self._in_call:
-                end = self._buffer.find(END)
-                if end < 0:
-                    break
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
-                self._in_call = False
-                call = parse_block(body, self.names)
-                if call is None:
-                    self._content(BEGIN + body + END)
-                else:
-                    self._blank = ""  # whitespace before a call is no content
-                    self.calls += 1
-                    self._events.append(call)
-                continue
-            begin = self._buffer.find(BEGIN)
-            if begin >= 0:
-                self._content(self._buffer[:begin])
-                self._buffer = self._buffer[begin + len(BEGIN) :]
-                self._in_call = True
-                continue
-            keep = _held_prefix(self._buffer)
-            self._content(self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep :]
-            break
+        while text:
+            text = self._outside(text) if self._inside is None else self._within(text)
         return self._take()
 
     def finish(self) -> list[str | ParsedCall]:
         """The end of the output: what was held back is content after all (an unclosed block included)."""
-        rest = (BEGIN if self._in_call else "") + self._buffer
-        self._buffer, self._in_call = "", False
+        rest = self._pending if self._inside is None else BEGIN + "".join(self._inside)
+        self._pending, self._inside, self._inside_chars, self._tail = "", None, 0, ""
         self._content(rest)
         if not self.calls and self._blank:
-            self._events.append(self._blank)
-        self._blank = ""
+            self._events.append("".join(self._blank))
+        self._blank = []
         return self._take()
+
+    def _outside(self, text: str) -> str:
+        """Content up to BEGIN; returns what follows BEGIN (a call's inside), or "" when all is taken."""
+        text, self._pending = self._pending + text, ""
+        begin = text.find(BEGIN)
+        if begin >= 0:
+            self._content(text[:begin])
+            self._inside, self._inside_chars, self._tail = [], 0, ""
+            return text[begin + len(BEGIN) :]
+        keep = _held_prefix(text)
+        self._content(text[: len(text) - keep])
+        self._pending = text[len(text) - keep :]
+        return ""
+
+    def _within(self, text: str) -> str:
+        """A call's inside up to END; returns what follows END (content again), or "" when all is taken."""
+        assert self._inside is not None
+        window = self._tail + text
+        close = window.find(END)
+        if close < 0:
+            self._inside.append(text)
+            self._inside_chars += len(text)
+            self._tail = window[-(len(END) - 1) :]
+            return ""
+        before = "".join(self._inside)
+        body = before[: len(before) - len(self._tail)] + window[:close]
+        self._inside, self._inside_chars, self._tail = None, 0, ""
+        call = parse_block(body, self.names)
+        if call is None:
+            self._content(BEGIN + body + END)
+        else:
+            self._blank = []  # whitespace before a call is no content
+            self.calls += 1
+            self._events.append(call)
+        return window[close + len(END) :]
 
     def _content(self, text: str) -> None:
         if not text:
             return
         if not text.strip():  # only whitespace: wait and see whether real content follows
-            self._blank += text
+            self._blank.append(text)
             return
         core = text.rstrip()  # trailing whitespace waits too: it may end the content before a call
-        self._events.append(self._blank + core)
-        self._blank = text[len(core) :]
+        self._events.append("".join(self._blank) + core)
+        self._blank = [text[len(core) :]] if len(core) < len(text) else []
 
     def _take(self) -> list[str | ParsedCall]:
         events, self._events = self._events, []

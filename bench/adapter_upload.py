@@ -12,6 +12,7 @@ Run: python -m bench.adapter_upload [--uploads 8] [--dtype bfloat16]; the last l
 
 import argparse
 import json
+import secrets
 import statistics
 import tempfile
 import time
@@ -96,7 +97,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="upload-bench-"))
     url = f"sqlite:///{work / 'db.sqlite'}"
     upgrade(url)
-    admin_key = "bench-admin"
+    admin_key = secrets.token_urlsafe(32)
     store = work / "adapters"
     settings = Settings.model_validate(
         {"data_dir": work, "database_url": url, "admin_key": admin_key, "adapter_cache_ttl_s": 0.0,

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -81,7 +82,7 @@ async def measure(requests: int, blocks: int) -> dict[str, Any]:
     model_dir = ensure_model(Path("var/bench/tiny-llama"), arch="llama", preset="tiny")
     url = f"sqlite:///{work / 'db.sqlite'}"
     upgrade(url)
-    settings = Settings(data_dir=work, database_url=url, admin_key="x")
+    settings = Settings(data_dir=work, database_url=url, admin_key=secrets.token_urlsafe(32))
     handle = serve.run(instant_engine.bind(), name="gateway-bench", route_prefix=None)
     client = ServeEngineClient({"bench": handle})
     specs = {"bench": BaseModelSpec(model_dir)}

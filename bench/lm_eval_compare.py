@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,6 @@ TASK_DIR = ROOT / "bench" / "lm_eval_task"
 TASK = "loraplex_mc"  # bench/lm_eval_task/loraplex_mc.yaml; 20 documents of 4 choices
 MODEL = "demo-llama"  # what `loraplex up` serves: the demo preset, fp32
 CACHE = Path("var/bench")
-ADMIN_KEY = "bench-admin"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_EVALUATE_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
@@ -65,13 +65,13 @@ def ensure_assets(adapter: str) -> tuple[Path, Path]:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, work: Path) -> Iterator[str]:
+def serving(model_dir: Path, work: Path, admin_key: str) -> Iterator[str]:
     """The platform's HTTP app on a loopback port over one fp32 CPU engine; yields its URL."""
     url = f"sqlite:///{work / 'loraplex.db'}"
     upgrade(url)
     store = work / "adapters"
     settings = Settings.model_validate(
-        {"data_dir": work, "database_url": url, "admin_key": ADMIN_KEY, "adapter_cache_ttl_s": 0.0,
+        {"data_dir": work, "database_url": url, "admin_key": admin_key, "adapter_cache_ttl_s": 0.0,
          "adapter_store": store}
     )  # fmt: skip
     engine = AsyncEngine(
@@ -90,10 +90,10 @@ def serving(model_dir: Path, work: Path) -> Iterator[str]:
         engine.shutdown()
 
 
-def tenant_with_adapter(url: str, adapter_dir: Path, name: str) -> str:
+def tenant_with_adapter(url: str, admin_key: str, adapter_dir: Path, name: str) -> str:
     """As an operator does: an unlimited tenant, its key, and the adapter uploaded as its own; returns the key
     once the adapter answers."""
-    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=120) as admin:
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {admin_key}"}, timeout=120) as admin:
         tenant = admin.post("/admin/tenants", json={"name": "lm-eval", "tier": "enterprise"})
         tenant.raise_for_status()
         tenant_id = tenant.json()["id"]
@@ -153,8 +153,9 @@ def run_both(args: argparse.Namespace, work: Path) -> tuple[Scores, Scores, dict
     model_dir, adapter_dir = ensure_assets(args.adapter)
     env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(work / "datasets")}
     name = args.adapter  # the tenant's own adapter, named plainly
-    with serving(model_dir, work) as url:
-        api_key = tenant_with_adapter(url, adapter_dir, name)
+    admin_key = secrets.token_urlsafe(32)
+    with serving(model_dir, work, admin_key) as url:
+        api_key = tenant_with_adapter(url, admin_key, adapter_dir, name)
         server_args = {
             "model": name, "base_url": f"{url}/v1/completions", "tokenizer_backend": "huggingface",
             "tokenizer": model_dir, "num_concurrent": 1, "max_retries": 1,

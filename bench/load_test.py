@@ -127,7 +127,7 @@ class Platform:
         self.gcs_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.gcs = f"127.0.0.1:{self.gcs_port}"
-        self.admin_key = f"lp-admin-{secrets.token_urlsafe(16)}"
+        self.admin_key = f"lp-admin-{secrets.token_urlsafe(32)}"
         self.key_secret = secrets.token_urlsafe(32)
         self.redis: RedisServer | None = None
         self.proxy: TcpProxy | None = None

@@ -181,7 +181,7 @@ def local_platform(
         "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns token auth on for new local clusters
         "LORAPLEX_DATA_DIR": str(work),
         "LORAPLEX_DATABASE_URL": database_url,
-        "LORAPLEX_ADMIN_KEY": secrets.token_urlsafe(24),
+        "LORAPLEX_ADMIN_KEY": secrets.token_urlsafe(32),
         "LORAPLEX_AUTH_CACHE_TTL_S": str(auth_cache_ttl_s),
         "LORAPLEX_ADAPTER_STORE": str(work / "adapters"),
     }

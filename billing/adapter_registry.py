@@ -12,6 +12,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from adapters.errors import AdapterNotFound
+from adapters.ref import AdapterRef
+from adapters.registered_digest import RegisteredDigest
 from billing.models import PUBLIC_OWNER, Adapter, AdapterVersion
 
 PUBLIC_PREFIX = f"{PUBLIC_OWNER}/"
@@ -75,6 +77,12 @@ def get_adapter(session: Session, *, adapter_id: str) -> Adapter:
 def latest_version(session: Session, *, adapter_id: str) -> AdapterVersion | None:
     query = select(AdapterVersion).where(AdapterVersion.adapter_id == adapter_id)
     return session.scalars(query.order_by(AdapterVersion.version.desc())).first()
+
+
+def registered_digest(session: Session, *, ref: AdapterRef) -> RegisteredDigest | None:
+    """What was recorded of one version at upload (deleted adapters included: their rows stay)."""
+    row = session.get(AdapterVersion, (ref.adapter_id, ref.version))
+    return None if row is None else RegisteredDigest(row.sha256, row.size_bytes)
 
 
 def list_versions(session: Session, *, adapter_id: str) -> list[AdapterVersion]:

@@ -1,7 +1,9 @@
 """build_app: the Ray Serve application graph, from the `args` of serve_config.yaml.
 
 One engine deployment per base model (each with its own engine settings and replicas), one ingress
-deployment holding a handle to each.
+deployment holding a handle to each. Engine replicas get the platform's secrets blanked (ENGINE_BLANKED):
+they never check an admin key or hash an API key, so a process that runs models and tenants' adapters
+holds neither, even on a node whose environment has them.
 """
 
 from pathlib import Path
@@ -20,6 +22,11 @@ from deployments.engine.interface import EngineConfig
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress
 from deployments.metering import Metering
+
+# Secrets only the ingress needs, set empty in each engine replica's environment (over its node's).
+ENGINE_BLANKED = ("LORAPLEX_ADMIN_KEY", "LORAPLEX_KEY_SECRET")
+# Settings that ingress_settings may not carry: the config is readable by whoever reaches the dashboard.
+SECRET_SETTINGS = frozenset({"admin_key", "key_secret", "database_url"})
 
 
 class ModelDeployment(BaseModel):
@@ -58,7 +65,8 @@ class ModelDeployment(BaseModel):
 
 
 class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A refusal never echoes the config: a secret put in ingress_settings by mistake stays out of the log.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     rate_limiter: LimiterConfig = Field(default_factory=LimiterConfig)
     models: list[ModelDeployment] = Field(min_length=1, description="Base models, each its own deployment.")
@@ -73,6 +81,24 @@ class AppArgs(BaseModel):
     metering_ray_actor_options: dict[str, Any] = Field(
         default_factory=dict, description="Ray actor options of the metering replica, over num_cpus 0."
     )
+    ingress_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Settings of every ingress replica (app/settings.py field names: admin_listen, "
+            "client_ip_header, public_docs, ...), over its node's LORAPLEX_* environment. Never secrets "
+            "(admin_key, key_secret, database_url): those stay in the environment."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _no_secrets(self) -> "AppArgs":
+        unknown = sorted(set(self.ingress_settings) - set(Settings.model_fields))
+        if unknown:
+            raise ValueError(f"ingress_settings: unknown settings {unknown}")
+        secret = sorted(SECRET_SETTINGS & set(self.ingress_settings))
+        if secret:
+            raise ValueError(f"ingress_settings: {secret} must come from the environment, not the config")
+        return self
 
     @model_validator(mode="after")
     def _unique(self) -> "AppArgs":
@@ -98,13 +124,21 @@ def _engine_config(model: ModelDeployment, settings: Settings) -> EngineConfig:
     return config.model_copy(update=update)
 
 
+def _engine_actor_options(config: EngineConfig, own: dict[str, Any]) -> dict[str, Any]:
+    """The model's ray_actor_options over the defaults; the blanked secrets over any env_vars it sets."""
+    runtime_env = dict(own.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **dict.fromkeys(ENGINE_BLANKED, "")}
+    # CPU engines take no Ray CPU: on small machines the ingress and engines must share cores.
+    return {"num_cpus": 0, "num_gpus": 1 if _wants_gpu(config) else 0, **own, "runtime_env": runtime_env}
+
+
 def _wants_gpu(config: EngineConfig) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 
 def build_app(args: dict[str, Any]) -> Application:
     parsed = AppArgs(**args)
-    settings = Settings()
+    settings = Settings(**parsed.ingress_settings)  # refused now if invalid (a short admin key among them)
     handles = {}
     models = {}
     for model in parsed.models:
@@ -132,12 +166,7 @@ def build_app(args: dict[str, Any]) -> Application:
             graceful_shutdown_timeout_s=model.drain_timeout_s,
             graceful_shutdown_wait_loop_s=1.0,
             **scaling,
-            # CPU engines take no Ray CPU: on small machines the ingress and engines must share cores.
-            ray_actor_options={
-                "num_cpus": 0,
-                "num_gpus": 1 if _wants_gpu(config) else 0,
-                **model.ray_actor_options,
-            },
+            ray_actor_options=_engine_actor_options(config, model.ray_actor_options),
             health_check_period_s=10,
         )(EngineReplica)
         handles[model.name] = deployment.bind(
@@ -166,5 +195,7 @@ def build_app(args: dict[str, Any]) -> Application:
         graceful_shutdown_wait_loop_s=1.0,
         ray_actor_options={"num_cpus": 0, **parsed.ingress_ray_actor_options},
     )(Ingress)
-    app: Application = ingress.bind(handles, models, parsed.rate_limiter.model_dump(), metering)
+    app: Application = ingress.bind(
+        handles, models, parsed.rate_limiter.model_dump(), metering, settings=parsed.ingress_settings
+    )
     return app

@@ -44,6 +44,12 @@ ADAPTER_DISK_LOADS = Counter(
 ABORTS = Counter("loraplex_engine_aborts", "Requests aborted (their caller left) before finishing.", TAGS)
 GENERATED_TOKENS = Counter("loraplex_engine_generated_tokens", "Output tokens sampled.", TAGS)
 PREEMPTIONS = Counter("loraplex_engine_preemptions", "Sequences preempted for KV cache space.", TAGS)
+GRAMMAR_REFUSALS = Counter(
+    "loraplex_engine_grammar_refusals",
+    "Structured-output requests refused while compiling their grammar, by reason: schema (it cannot be "
+    "enforced), timeout (its compile passed the bound, or did recently), busy (no grammar thread in time).",
+    (*TAGS, "reason"),
+)
 BUSY_SECONDS = Counter("loraplex_engine_busy_seconds", "Device time spent in engine steps.", TAGS)
 
 
@@ -87,6 +93,9 @@ class EngineMetrics:
         before = last.adapter_disk_loads if last else {}
         for ref, reads in stats.adapter_disk_loads.items():
             ADAPTER_DISK_LOADS.inc({**tags, "adapter": ref}, reads - before.get(ref, 0))
+        refused_before = last.grammar_refusals if last else {}
+        for reason, refused in stats.grammar_refusals.items():
+            GRAMMAR_REFUSALS.inc({**tags, "reason": reason}, refused - refused_before.get(reason, 0))
         self._last = stats
 
     def _run(self) -> None:

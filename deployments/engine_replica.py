@@ -12,6 +12,7 @@ from typing import Any
 from app import log_context
 from app.dependency_noise import quiet_dependencies
 from app.settings import Settings
+from billing.adapter_digests import RegistryDigests
 from billing.db import make_engine, make_session_factory
 from billing.routing_report import live_replicas
 from deployments.abort_request import AbortRequest
@@ -70,14 +71,20 @@ class EngineReplica:
         # application builder imports this module too, and needs none of it).
         from deployments.engine.interface import AsyncEngine
 
-        self.engine = AsyncEngine(self.config, replica_name=_replica_name(self.config.name))
+        sessions = None
+        if watch_registry:
+            sessions = make_session_factory(make_engine(Settings().resolved_database_url()))
+        self.engine = AsyncEngine(
+            self.config,
+            replica_name=_replica_name(self.config.name),
+            # Adapters read from an object store are checked against what the registry recorded.
+            adapter_digests=None if sessions is None else RegistryDigests(sessions),
+        )
         self.metrics = EngineMetrics(self.engine, base_model=self.config.name, interval_s=metrics_interval_s)
         self.metrics.start()
         self.watcher: RegistryWatcher | None = None
         self.reporter: EngineReporter | None = None
-        if watch_registry:
-            settings = Settings()
-            sessions = make_session_factory(make_engine(settings.resolved_database_url()))
+        if sessions is not None:
             name, prefix = self.engine.replica_name, f"{self.config.name}:"
             self.reporter = EngineReporter(
                 self.engine,

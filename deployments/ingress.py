@@ -19,6 +19,7 @@ from app.dependency_noise import quiet_dependencies
 from app.limits.factory import LimiterConfig, make_limiter
 from app.main import Routes, create_app
 from app.settings import Settings
+from deployments.client_gone import ClientGone
 from deployments.engine.interface import DEFAULT_MAX_NUM_SEQS
 from deployments.metering import ServeMeteringSink
 from deployments.serve_engine_client import ServeEngineClient
@@ -32,10 +33,12 @@ class Ingress:
         models: dict[str, dict[str, Any]],
         rate_limiter: dict[str, Any] | None = None,
         metering: DeploymentHandle[Any] | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
+        """`settings`: the config's ingress_settings, over this node's LORAPLEX_* environment."""
         log_context.route_to_serve()
         quiet_dependencies()  # before this replica imports the ML stack
-        self.settings = Settings()
+        self.settings = Settings(**(settings or {}))
         specs = {
             name: BaseModelSpec(
                 model_dir=Path(spec["model"]),
@@ -62,7 +65,9 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         routes: Routes = "tenant" if self.admin_listener is not None else "all"
-        return create_app(self.services, behind_serve_proxy=True, routes=routes)
+        app = create_app(self.services, behind_serve_proxy=True, routes=routes)
+        app.add_middleware(ClientGone)  # outermost: Serve's receive is what it wraps
+        return app
 
     def __del__(self) -> None:
         listener = getattr(self, "admin_listener", None)

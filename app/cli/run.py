@@ -6,6 +6,7 @@ cleanly, as Ctrl-C would stop `serve run` itself). Ray 2.60 turns token auth on 
 clusters; we say so explicitly (RAY_AUTH_MODE=token) so that `serve status` finds the token too.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -14,17 +15,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 import yaml
+from pydantic import ValidationError
 
 from app.cli.common import fail
 from app.private_files import publish_secret
 from app.settings import Settings
 
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent dies
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+STOP_GRACE_S = 30.0  # `serve run` stops its app and local cluster in seconds; past this it is stuck
 
 
 def _admin_key(settings: Settings) -> tuple[str, bool]:
@@ -65,7 +70,10 @@ def up(
 
     if not config.exists():
         fail(f"{config} not found", code=2, hint="run from the repository root or pass --config")
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # e.g. a LORAPLEX_ADMIN_KEY under 32 bytes: refused before anything runs
+        fail(f"invalid LORAPLEX_* setting: {exc}", code=2)
     typer.echo("preparing: database migrations, demo model and adapters (first run builds them)...")
     try:
         demo = prepare(settings, config)
@@ -105,8 +113,15 @@ def up(
     raise typer.Exit(_serve_until_stopped([serve, "run", str(effective)], env))
 
 
-def _interrupt_if_parent_dies() -> None:
-    """In the child: if `up` is killed outright (SIGKILL), `serve run` gets SIGINT and still shuts down."""
+def _child_signals() -> None:
+    """In the child, before `serve run` starts: signal dispositions and mask as a fresh process has them,
+    whatever `up` inherited; and SIGINT when `up` is killed outright (SIGKILL), so it still shuts down.
+
+    Ignored signals and the blocked mask survive exec: started as a script's background job (`up &`,
+    where the shell ignores SIGINT), `serve run` ignored the SIGINT `up` forwards and never stopped."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGINT)
@@ -114,25 +129,35 @@ def _interrupt_if_parent_dies() -> None:
         pass
 
 
-def _serve_until_stopped(command: list[str], env: dict[str, str]) -> int:
-    """Run `serve run` as a child and turn the first SIGTERM, SIGHUP or SIGINT into its SIGINT.
+def _serve_until_stopped(command: list[str], env: dict[str, str], grace_s: float = STOP_GRACE_S) -> int:
+    """Run `serve run` as a child and turn the first SIGTERM (or SIGHUP or SIGINT, unless `up` was started
+    ignoring them, as nohup and background jobs are) into its SIGINT; if it has not stopped `grace_s`
+    later, or on a second such signal, SIGKILL its process group (it and the local cluster it started).
 
     `serve run` shuts the application and its local cluster down cleanly on SIGINT (KeyboardInterrupt),
     while SIGTERM makes Ray's native failure handler print a stack trace as it dies. Returns 0 when it
     stopped because we asked it to, else its own exit status."""
-    child = subprocess.Popen(command, env=env, process_group=0, preexec_fn=_interrupt_if_parent_dies)
-    stopping = False
+    child = subprocess.Popen(command, env=env, process_group=0, preexec_fn=_child_signals)
+    asked: list[float] = []  # when each stop signal came
 
     def forward(signum: int, _: object) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
+        asked.append(time.monotonic())
+        if len(asked) == 1:
             child.send_signal(signal.SIGINT)
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, forward)
-    code = child.wait()
-    return 0 if stopping else code
+    for signum in _STOP_SIGNALS:
+        if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, forward)
+    while True:
+        try:
+            code = child.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:  # so it is not reaped yet: its pid still names its group
+            if len(asked) > 1 or (asked and time.monotonic() - asked[0] > grace_s):
+                typer.echo("serve run did not stop on SIGINT: killing it and its local cluster", err=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)  # Ray's processes stay in its group
+    return 0 if asked else code
 
 
 def status() -> None:

@@ -1,9 +1,10 @@
 """POST /v1/chat/completions and /v1/completions.
 
-Prompt size is bounded before any work (Settings.max_messages, max_prompt_chars, max_prompts), and
-templating and tokenisation run in the thread pool: a large prompt never holds the event loop other
-requests share. What the engine is asked beyond sampling (n, logprobs, logit_bias, structured output for
-response_format and tool_choice) is read here; app/choices.py shapes what comes back.
+Prompt size is bounded before any work (Settings.max_messages, max_prompt_chars, max_prompts; a token id
+counts as a character), and templating and tokenisation run in the thread pool: a large prompt never
+holds the event loop other requests share. What the engine is asked beyond sampling (n, logprobs,
+logit_bias, structured output for response_format and tool_choice) is read here; app/choices.py shapes
+what comes back.
 """
 
 import json
@@ -33,10 +34,12 @@ router = APIRouter(prefix="/v1", tags=["inference"], route_class=TenantRoute)
 ANY_OBJECT = '{"type": "object"}'
 
 
-def _check_prompt_size(settings: Settings, param: str, sizes: list[int]) -> None:
+def _check_prompt_size(settings: Settings, param: str, sizes: list[int], unit: str = "characters") -> None:
+    """Text is bounded by its characters; token ids meet the same bound, an id for a character (a token
+    is at least one character of text, so ids never buy a longer prompt than text could)."""
     chars = sum(sizes)
     if chars > settings.max_prompt_chars:
-        message = f"The prompt has {chars:,} characters; at most {settings.max_prompt_chars:,} are accepted."
+        message = f"The prompt has {chars:,} {unit}; at most {settings.max_prompt_chars:,} are accepted."
         raise InvalidParameter(message, param=param, code="prompt_too_large")
 
 
@@ -111,7 +114,8 @@ async def completions(
     if len(texts) > settings.max_prompts:
         message = f"{len(texts):,} prompts were sent; at most {settings.max_prompts:,} are accepted."
         raise InvalidParameter(message, param="prompt", code="too_many_prompts")
-    _check_prompt_size(settings, "prompt", [len(p) for p in texts if isinstance(p, str)])
+    unit = "characters" if isinstance(texts[0], str) else "token ids"
+    _check_prompt_size(settings, "prompt", [len(p) for p in texts], unit)
     _check_n(settings, body.n)
     if body.max_tokens == 0 and not body.echo:
         message = "max_tokens may be 0 only with echo (for the prompt's log-probabilities)."

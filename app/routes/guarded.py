@@ -14,9 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from app import log_context
-from app.admin_auth import check_admin_key
 from app.admission import Admission
-from app.client_address import client_address
+from app.client_address import client_of
 from app.errors import APIError
 from app.middleware import request_id_of
 
@@ -31,7 +30,7 @@ class TenantRoute(APIRoute):
 
         async def authenticated(request: Request) -> Response:
             services = request.app.state.services
-            client = client_address(request, services.settings.client_ip_header)
+            client = client_of(request)
             principal = await services.authenticator.authenticate(
                 request.headers.get("authorization"), client
             )
@@ -58,7 +57,8 @@ class AdminRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def authorised(request: Request) -> Response:
-            check_admin_key(request.app.state.services.settings, request.headers.get("authorization"))
+            services = request.app.state.services
+            services.admin_auth.check(request.headers.get("authorization"), client_of(request))
             return await handler(request)
 
         return authorised

@@ -1,5 +1,7 @@
 """GET /healthz: the process is up and serving HTTP. GET /readyz: it can serve requests now (the models
-are loaded, the database and the rate limiter answer); 503 in the OpenAI error shape otherwise."""
+are loaded, the database and the rate limiter answer); 503 in the OpenAI error shape otherwise. It names
+each check (every base model among them) unless this listener keeps them to itself
+(`public_readiness_checks` off on the tenant port): then only ready or not."""
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -23,9 +25,9 @@ async def readyz(request: Request, services: ServicesDep) -> JSONResponse:
         readiness = request.app.state.readiness = Readiness(services)
     checks = await readiness.check()
     failed = [name for name, result in checks.items() if result != OK]
+    named = bool(request.app.state.readiness_checks)
     if not failed:
-        return JSONResponse({"status": "ready", "checks": checks})
-    details = "; ".join(f"{name}: {checks[name]}" for name in failed)
-    error = NotReady(details)
-    body = {**error.body(), "status": "not_ready", "checks": checks}
+        return JSONResponse({"status": "ready", **({"checks": checks} if named else {})})
+    error = NotReady("; ".join(f"{name}: {checks[name]}" for name in failed) if named else None)
+    body = {**error.body(), "status": "not_ready", **({"checks": checks} if named else {})}
     return JSONResponse(body, status_code=error.status, headers=error.headers)

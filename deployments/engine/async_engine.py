@@ -13,13 +13,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from adapters.ref import AdapterRef
+from adapters.registered_digest import DigestSource
 from deployments.engine.config import EngineConfig
-from deployments.engine.errors import DuplicateRequestId, EngineError, EngineStopped, InvalidRequest
+from deployments.engine.errors import DuplicateRequestId, EngineError, EngineOverloaded, EngineStopped
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
@@ -29,6 +30,7 @@ from deployments.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from deployments.engine.grammar import CompiledGrammar
+    from deployments.engine.grammar_pool import GrammarPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,14 +44,21 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, replica_name: str | None = None
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        replica_name: str | None = None,
+        adapter_digests: DigestSource | None = None,
     ) -> None:
-        self.engine = LLMEngine(config, loaded=loaded, replica_name=replica_name)
+        self.engine = LLMEngine(
+            config, loaded=loaded, replica_name=replica_name, adapter_digests=adapter_digests
+        )
         self.engine.adapters.on_loaded = self._wake
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._grammar_pool: ThreadPoolExecutor | None = None  # made on the first structured request
+        self._grammar_pool: GrammarPool[CompiledGrammar] | None = None  # made on the first compile
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self._stats = self.engine.stats()  # replaced by the loop thread, read by anyone
@@ -77,7 +86,8 @@ class AsyncEngine:
             raise DuplicateRequestId(request_id)
         seqs = self.engine.make_sequences(request)
         if request.params.structured is not None:  # compiled before queueing: a bad schema is refused here
-            self.engine.attach_grammar(seqs, await self._compile(request.params.structured))
+            grammar = await self._compile(request.params.structured, request.tenant)
+            self.engine.attach_grammar(seqs, grammar)
         if request_id in self._streams:
             raise DuplicateRequestId(request_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -98,32 +108,52 @@ class AsyncEngine:
             if not finished:  # the caller went away: stop generating for it
                 self._submit(lambda: void(self._abort(request_id)))
 
-    async def _compile(self, spec: StructuredOutput) -> "CompiledGrammar":
-        """Compile a grammar on a grammar thread, never the loop thread: a request waits only for its own
-        grammar, and the batch goes on meanwhile. A compile running past the time bound is refused (it
-        finishes in the background and lands in the cache); time spent queued behind others' compiles does
-        not count against it."""
-        if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-        loop = asyncio.get_running_loop()
-        began: asyncio.Future[None] = loop.create_future()
+    async def _compile(self, spec: StructuredOutput, tenant: str | None) -> "CompiledGrammar":
+        """The grammar of `spec`, compiled on a grammar thread, never the loop thread: a request waits only
+        for its own grammar, and the batch goes on meanwhile. The tenant (`EngineRequest.tenant`, an opaque id
+        the ingress sets) owns a share of the grammar cache and takes turns on the threads.
 
-        def start() -> None:
-            if not began.done():
-                began.set_result(None)
+        The whole wait, queue included, is bounded by grammar_compile_timeout_s. Past it, a compile that no
+        thread took is dropped and refused as overload (503); one that was running is refused (400), and so
+        is its schema for this tenant for grammar_refusal_ttl_s (it still runs to its end: compiles cannot
+        be stopped, but their work is metered by the library's limits). A long queue refuses at once."""
+        from deployments.engine.grammar import GrammarRefused
+        from deployments.engine.grammar_pool import GrammarPool
 
-        def job() -> "CompiledGrammar":
-            loop.call_soon_threadsafe(start)
-            return self.engine.grammars.compile(spec)
-
-        done = asyncio.wrap_future(self._grammar_pool.submit(job))
-        await asyncio.wait([began, done], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
-        bound = self.engine.config.grammar_compile_timeout_s
+        config = self.engine.config
+        grammars = self.engine.grammars
         try:
-            return await asyncio.wait_for(done, timeout=bound)
-        except TimeoutError:
+            found = grammars.lookup(spec, tenant)
+            if found is not None:
+                return found
+            if self._grammar_pool is None:
+                self._grammar_pool = GrammarPool(
+                    threads=2,
+                    max_queued=config.grammar_compile_queue,
+                    tenant_share=max(1, config.grammar_compile_queue // 4),
+                )
+            pool = self._grammar_pool
+            job = pool.submit(tenant, grammars.key(spec), lambda: grammars.compile(spec, tenant))
+            waiting = asyncio.wrap_future(job.future)  # never cancelled: other requests may share the job
+            bound = config.grammar_compile_timeout_s
+            try:
+                await asyncio.wait([waiting], timeout=bound)
+            except asyncio.CancelledError:
+                pool.leave(job)  # the caller left: drop the compile if nobody else waits and it has not begun
+                raise
+            if waiting.done():
+                return waiting.result()
+            if pool.leave(job):
+                raise EngineOverloaded(f"no grammar thread took the compile within {bound:g} s")
             message = f"the schema did not compile within {bound:g} s; simplify it"
-            raise InvalidRequest(message, param=spec.param) from None
+            grammars.refuse(spec, tenant, message, ttl_s=config.grammar_refusal_ttl_s)
+            raise GrammarRefused(message, param=spec.param, reason="timeout")
+        except GrammarRefused as refused:  # a shared job's error names the first waiter's field: name ours
+            grammars.count_refusal(refused.reason)
+            raise GrammarRefused(str(refused), param=spec.param, reason=refused.reason) from None
+        except EngineOverloaded:
+            grammars.count_refusal("busy")
+            raise
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request; its stream then ends with an ABORT output carrying its usage. False if this
@@ -196,7 +226,7 @@ class AsyncEngine:
         self._wake()
         self._thread.join(timeout=30)
         if self._grammar_pool is not None:
-            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+            self._grammar_pool.shutdown()
         self.engine.close()
 
     # -- loop thread ----------------------------------------------------------------------------------

@@ -145,7 +145,32 @@ class EngineConfig(BaseModel):
         default=10.0,
         gt=0,
         le=300,
-        description="A structured-output schema that takes longer to compile is refused (400).",
+        description=(
+            "A structured-output request whose grammar is not compiled within this long, time waiting for a "
+            "grammar thread included, is refused: 400 (and its schema refused for grammar_refusal_ttl_s) if "
+            "its compile had started, 503 if no thread took it."
+        ),
+    )
+    grammar_refusal_ttl_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description=(
+            "How long a schema whose compile passed grammar_compile_timeout_s stays refused for its tenant "
+            "(at once, without compiling): long enough that resending it cannot keep the grammar threads "
+            "busy, short enough that a valid schema refused during a load spike is soon served."
+        ),
+    )
+    grammar_compile_queue: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description=(
+            "Grammar compiles (cache misses) that may wait for one of the two grammar threads; past this, "
+            "and past a quarter of it for one tenant, a structured-output request is refused at once (503). "
+            "16 behind two threads at the ~0.1-0.3 s a largest-allowed schema takes is a wait of 1-3 s, well "
+            "inside the default compile bound; a longer queue would mostly hold requests bound to time out."
+        ),
     )
 
     @model_validator(mode="after")

@@ -6,17 +6,24 @@ and every output decoded under its mask validated. The output is compact JSON (n
 JSON tokens, "," and ":" separators), optionally as begin + JSON + end, and with `repeat` one or more such
 blocks separated by "\\n". Once the grammar is complete, only the stop (EOS) tokens are allowed.
 
-Use: `GrammarCompiler.compile(spec)` (blocking, thread-safe, cached) off the engine loop thread; per
-request `compiled.matcher()`; per step `matcher.fill_mask(bitmask, row)` into a `new_bitmask(rows, V)`,
-`apply_bitmask(logits, bitmask)`, then `matcher.accept(token)` for the token sampled.
+Use: `GrammarCompiler.lookup(spec, tenant)` (cheap: the cache) then `compile(spec, tenant)` (blocking,
+thread-safe) off the engine loop thread; per request `compiled.matcher()`; per step
+`matcher.fill_mask(bitmask, row)` into a `new_bitmask(rows, V)`, `apply_bitmask(logits, bitmask)`, then
+`matcher.accept(token)` for the token sampled.
+
+Compile work is bounded by the library's own meters (`_LIMITS`: regex fuel, grammar size, lexer states),
+which refuse the same schema the same way on any machine and load; such refusals are cached for good. A
+schema is also refused when it compiles but would fail at its first token (`_probe_opening`).
 Bitmask layout (llguidance's and xgrammar's): int32 words, bit i of word j allows token 32 * j + i.
 """
 
 import json
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -26,6 +33,7 @@ import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from deployments.engine.errors import InvalidRequest
+from deployments.engine.grammar_cache import GrammarCache, Tenant
 from deployments.engine.sampling_params import StructuredOutput
 
 LIBRARY = "llguidance"
@@ -38,14 +46,50 @@ _JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ":",
     "lenient": False,
 }
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # errors must not echo parser state or grammar
-# llguidance's parser holds every optional property (and anyOf branch) of an object in one row, at most 2000
-# items by default (a bound on each step's cost): past ~1000 a request would fail at its first token. Such
-# schemas are refused when compiled instead. (A 1300-property object, allowed past the bound, took 48 ms
-# per mask on the bench CPU: far beyond a model step's budget.)
+# Compile and per-step work, metered by the library rather than timed: the values are its 1.9.1 defaults,
+# sized for schemas of megabytes (ours are at most 64 KiB), pinned so that a library upgrade cannot loosen
+# them. Compile: regex fuel (~50k per ms), grammar symbols, lexer states (~1-2 kB each); per mask: lexer
+# fuel (~14k per ms) and Earley items (~20k per ms). Errors must not echo parser state or the grammar.
+_LIMITS = llguidance.LLParserLimits(
+    max_items_in_row=2000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=250_000,
+    max_grammar_size=500_000,
+    verbose_errors=False,
+)
+# Past MAX_ALTERNATIVES properties or anyOf/oneOf branches in one place a schema is refused before the
+# library sees it (a bound on compile work and on each step's cost: a 1300-property object, allowed past
+# the row bound, took 48 ms per mask on the bench CPU, far beyond a model step's budget).
 MAX_ALTERNATIVES = 900
+# llguidance's parser holds in one row every property that may come next: an object whose first k
+# properties are all optional opens 4k + 7 items (measured with 1.9.1, whatever the properties' types, the
+# object's depth, or begin/end texts around it), at most max_items_in_row, or the request fails at the
+# object's "{". So at most 498 optional properties may open an object (the first required one ends the
+# run). The library's own verdict at the first free token is checked as well (`_probe_opening`).
+MAX_OPTIONAL_RUN = (2000 - 7) // 4
+# Bytes that can start a token past a JSON schema's forced opening where the parser may open a structure
+# (a value, a key, a separator, a closer): each, as a one-byte token, is fed to a copy at compile time.
+_PROBE_BYTES = b'{["-0123456789tfn}],:'
+_ROW_ERROR = re.compile(r"Current row has (\d+) items; max is (\d+)")
 _ERROR_PREFIX = re.compile(r"^at \d+\(\d+\): ")
 _CacheKey = tuple[str, str, str, bool]
+
+
+class GrammarRefused(InvalidRequest):
+    """A structured-output spec refused; `reason` is "schema" (it cannot be enforced: the same answer on
+    every try) or "timeout" (its compile passed the time bound: retried once the refusal expires)."""
+
+    def __init__(self, message: str, *, param: str | None, reason: str) -> None:
+        super().__init__(message, param=param)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    message: str
+    reason: str
 
 
 class GrammarMatcher:
@@ -112,12 +156,14 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles `StructuredOutput` specs for one tokenizer, caching the last `cache_size` of them (LRU).
+    """Compiles `StructuredOutput` specs for one tokenizer, and caches grammars and refusals per tenant.
 
     `vocab_size` is the model's logits width (>= len(tokenizer)); ids past the tokenizer are never allowed.
     `stop_token_ids` are the model's EOS ids: the only tokens allowed once the grammar is complete.
+    The cache holds `cache_size` entries, at most `tenant_share` of them per tenant (GrammarCache).
     `compile` blocks (about a millisecond for typical schemas; longer for big ones); it runs on the calling
-    thread alone and releases the GIL while llguidance builds the grammar.
+    thread alone and releases the GIL while llguidance builds the grammar. Construction is cheap: the
+    tokenizer is converted for the library on the first compile.
     """
 
     def __init__(
@@ -127,6 +173,8 @@ class GrammarCompiler:
         stop_token_ids: Sequence[int],
         *,
         cache_size: int = 256,
+        tenant_share: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(tokenizer, PreTrainedTokenizerFast):
             raise ValueError(
@@ -142,46 +190,103 @@ class GrammarCompiler:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=list(self.stop_token_ids)
-        )
+        self._hf_tokenizer = tokenizer
+        self._tokenizer: llguidance.LLTokenizer | None = None  # converted on the first compile
+        self._probe_tokens: list[int] = []  # one-byte tokens of _PROBE_BYTES
         self._words = (vocab_size + 31) // 32
-        self._cache_size = cache_size
-        self._cache: OrderedDict[_CacheKey, CompiledGrammar | str] = OrderedDict()  # str: the error
+        share = min(cache_size, 32) if tenant_share is None else tenant_share
+        self._cache: GrammarCache[CompiledGrammar | _Refusal] = GrammarCache(cache_size, share, clock=clock)
         self._lock = threading.Lock()
+        self._refusals: Counter[str] = Counter()
 
-    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        """The compiled grammar for `spec`; raises InvalidRequest (naming `spec.param`) for a schema that is
-        not valid JSON / JSON Schema, or one using a keyword the library cannot enforce."""
-        key = (spec.json_schema, spec.begin, spec.end, spec.repeat)  # `param` only names errors
-        with self._lock:
-            found = self._cache.get(key)
-            if found is not None:
-                self._cache.move_to_end(key)
-        if found is None:
-            found = self._build(spec)
-            with self._lock:  # two threads may have built the same spec: the first stored wins
-                found = self._cache.setdefault(key, found)
-                self._cache.move_to_end(key)
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-        if isinstance(found, str):
-            raise InvalidRequest(found, param=spec.param)
+    @staticmethod
+    def key(spec: StructuredOutput) -> _CacheKey:
+        """What makes two specs one grammar (`param` only names errors)."""
+        return (spec.json_schema, spec.begin, spec.end, spec.repeat)
+
+    def lookup(self, spec: StructuredOutput, tenant: Tenant = None) -> CompiledGrammar | None:
+        """The tenant's cached grammar for `spec`, None if it must be compiled; raises GrammarRefused for a
+        cached refusal that has not expired. Cheap: callable from an event loop."""
+        found = self._cache.get(tenant, self.key(spec))
+        if isinstance(found, _Refusal):
+            raise GrammarRefused(found.message, param=spec.param, reason=found.reason)
         return found
 
-    def cache_len(self) -> int:
-        with self._lock:
-            return len(self._cache)
+    def compile(self, spec: StructuredOutput, tenant: Tenant = None) -> CompiledGrammar:
+        """The compiled grammar for `spec`; raises GrammarRefused (naming `spec.param`) for a schema that is
+        not valid JSON / JSON Schema, uses a keyword the library cannot enforce, passes a work limit, or
+        is refused (not yet expired) after passing the time bound."""
+        found = self.lookup(spec, tenant)
+        if found is None:
+            built = self._build(spec)
+            stored = self._cache.put(tenant, self.key(spec), built)  # two threads may build one spec
+            if isinstance(stored, _Refusal):
+                raise GrammarRefused(stored.message, param=spec.param, reason=stored.reason)
+            found = stored
+        return found
 
-    def _build(self, spec: StructuredOutput) -> CompiledGrammar | str:
+    def refuse(self, spec: StructuredOutput, tenant: Tenant, message: str, *, ttl_s: float) -> None:
+        """Refuse `spec` for this tenant for `ttl_s` (its compile passed the time bound): a request for it
+        meanwhile is refused at once, and a compile of it still running is dropped when it ends."""
+        self._cache.put(tenant, self.key(spec), _Refusal(message, "timeout"), ttl_s=ttl_s)
+
+    def count_refusal(self, reason: str) -> None:
+        """Count one request refused: "schema", "timeout", or "busy" (no grammar thread in time)."""
+        with self._lock:
+            self._refusals[reason] += 1
+
+    def refusals(self) -> dict[str, int]:
+        """Requests refused since start, by reason."""
+        with self._lock:
+            return dict(self._refusals)
+
+    def cache_len(self) -> int:
+        return len(self._cache)
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                converted = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.stop_token_ids)
+                )
+                one_byte = (converted.tokenize_bytes(bytes([b])) for b in _PROBE_BYTES)
+                self._probe_tokens = [ids[0] for ids in one_byte if len(ids) == 1]
+                self._tokenizer = converted
+            return self._tokenizer
+
+    def _build(self, spec: StructuredOutput) -> CompiledGrammar | _Refusal:
         try:
             lark = _lark(spec)
         except ValueError as error:
-            return _message(str(error))
-        template = llguidance.LLMatcher(self._tokenizer, lark, log_level=0, limits=_LIMITS)
-        if template.is_error():
-            return _message("the JSON schema cannot be enforced: " + _reason(template.get_error()))
+            return _Refusal(_message(str(error)), "schema")
+        template = llguidance.LLMatcher(self._llg_tokenizer(), lark, log_level=0, limits=_LIMITS)
+        failure = template.get_error() if template.is_error() else self._probe_opening(template)
+        if failure is not None:
+            return _Refusal(_message("the JSON schema cannot be enforced: " + _reason(failure)), "schema")
         return CompiledGrammar(template, frozenset(self.stop_token_ids), self._words)
+
+    def _probe_opening(self, template: llguidance.LLMatcher) -> str | None:
+        """Why the grammar would fail a request at its first free token, if it would: a copy takes the
+        forced opening (the begin text, "{", required keys...), then each probe byte the mask allows there
+        as a token of its own, and computes the next mask. A token longer than one byte starts with one of
+        these, so it meets the same parser row; a row or step over the library's limits fails here, at
+        compile time, instead of at a request's first token."""
+        opening = template.deep_copy()
+        forced = opening.compute_ff_tokens()
+        if forced:
+            opening.consume_tokens(forced)
+        if opening.is_error():
+            return opening.get_error()
+        mask = opening.compute_bitmask()
+        for token in self._probe_tokens:
+            if not mask[token // 8] >> (token % 8) & 1:
+                continue
+            trial = opening.deep_copy()
+            if trial.consume_token(token):
+                trial.compute_bitmask()
+            if trial.is_error():
+                return trial.get_error()
+        return None
 
 
 def _lark(spec: StructuredOutput) -> str:
@@ -209,7 +314,8 @@ def _lark(spec: StructuredOutput) -> str:
 
 
 def _check_width(node: Any) -> None:
-    """Raise for an object with more than MAX_ALTERNATIVES properties or a longer anyOf/oneOf, anywhere."""
+    """Raise for an object with more than MAX_ALTERNATIVES properties or a longer anyOf/oneOf, or with more
+    than MAX_OPTIONAL_RUN optional properties before its first required one, anywhere."""
     stack = [node]
     while stack:
         node = stack.pop()
@@ -223,11 +329,37 @@ def _check_width(node: Any) -> None:
                         f"the JSON schema has {len(value)} {keyword} in one place; at most {MAX_ALTERNATIVES}"
                         " are supported"
                     )
+            run = _optional_run(node)
+            if run > MAX_OPTIONAL_RUN:
+                raise ValueError(
+                    f"the JSON schema has an object whose first {run} properties are optional; at most "
+                    f"{MAX_OPTIONAL_RUN} may be (make an earlier one required, or use fewer)"
+                )
             stack.extend(node.values())
 
 
+def _optional_run(node: dict[str, Any]) -> int:
+    """How many optional properties may each come first in this object (properties keep schema order)."""
+    properties = node.get("properties")
+    if not isinstance(properties, dict):
+        return 0
+    required = node.get("required")
+    names = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    for i, name in enumerate(properties):
+        if name in names:
+            return i
+    return len(properties)
+
+
 def _reason(error: str) -> str:
-    """llguidance's message without its position prefix and the grammar source it echoes."""
+    """llguidance's message without its position prefix and the grammar source it echoes; its parser-row
+    bound in the schema's own terms."""
+    row = _ROW_ERROR.search(error)
+    if row is not None:
+        return (
+            f"it opens {row[1]} alternatives at once where at most {row[2]} are supported (each optional "
+            "property or anyOf branch that may come next is one): make some properties required, or use fewer"
+        )
     text = _ERROR_PREFIX.sub("", error.split("\n   1 | ", 1)[0])
     return " ".join(text.split())
 

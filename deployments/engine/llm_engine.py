@@ -7,11 +7,13 @@ and may run on any thread, so callers get named errors before anything is queued
 import logging
 import os
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from adapters.registered_digest import DigestSource
 from adapters.store import AdapterStore
 from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
@@ -44,8 +46,14 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, replica_name: str | None = None
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        replica_name: str | None = None,
+        adapter_digests: DigestSource | None = None,
     ) -> None:
+        """`adapter_digests`: the registry's, to check adapters read from an object store against."""
         self.config = config
         self.loaded = loaded or load_model(config)
         m = self.loaded
@@ -78,6 +86,7 @@ class LLMEngine:
                 config.adapter_store,
                 cache_dir=config.adapter_cache_dir,
                 cache_max_bytes=config.adapter_cache_mb * 2**20,
+                digests=adapter_digests,
             ),
             m.lora_modules,
             max_loras=m.max_loras,
@@ -118,6 +127,7 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, m.device, seed=config.seed)
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._started = time.monotonic()
         self.busy_seconds = 0.0
@@ -208,14 +218,16 @@ class LLMEngine:
 
     @property
     def grammars(self) -> "GrammarCompiler":
-        """Compiles structured-output grammars for this model's tokenizer (thread-safe; made on first use)."""
-        if self._grammars is None:
-            from deployments.engine.grammar import GrammarCompiler
+        """Compiles structured-output grammars for this model's tokenizer (thread-safe; made on first use,
+        cheaply: it converts the tokenizer on its first compile)."""
+        with self._grammars_lock:  # callers on several threads must all get the one cache
+            if self._grammars is None:
+                from deployments.engine.grammar import GrammarCompiler
 
-            self._grammars = GrammarCompiler(
-                self.tokenizer, self.vocab_size, sorted(self.loaded.eos_token_ids)
-            )
-        return self._grammars
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, sorted(self.loaded.eos_token_ids)
+                )
+            return self._grammars
 
     @staticmethod
     def attach_grammar(seqs: list[Sequence], grammar: "CompiledGrammar") -> None:
@@ -598,6 +610,7 @@ class LLMEngine:
             generated_tokens=self.generated_tokens,
             prefill_tokens=self.prefill_tokens,
             adapter_disk_loads=dict(self.adapters.disk_loads),
+            grammar_refusals=self._grammars.refusals() if self._grammars is not None else {},
         )
 
     def close(self) -> None:

@@ -9,10 +9,17 @@ by the checkout path, so each new clone builds again. Here instead:
   never by path, under LORAPLEX_KERNEL_CACHE (default ~/.cache/loraplex/kernels);
 - an engine only loads what is already built (`load`): it never waits on a build. Without one it logs how
   to build it and runs the library kernels. `loraplex kernels build` (and `loraplex up`, and the test
-  suite) build ahead of time.
+  suite) build ahead of time;
+- nothing the build started outlives it: the build child leads its own session, and whoever ends the
+  build ends every process of that session (ninja starts each compiler in a process group of its own,
+  so killing a group is not enough). The builder out of time or interrupted does it itself; the builder
+  killed outright (SIGKILL) cannot, so the child gets SIGTERM when it dies (PR_SET_PDEATHSIG, Linux)
+  and does it instead.
 """
 
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +45,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0
 SCRATCH_MAX_AGE_S = 24 * 3600.0  # far beyond any build: a scratch directory this old has no live builder
+PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a process gets when its parent dies
 
 
 def cache_root() -> Path:
@@ -141,7 +150,12 @@ def _run_bounded(command: list[str], timeout_s: float) -> subprocess.CompletedPr
     whole session is killed: killing only the child left the ninja and compiler it started running on,
     reparented to init, writing into a scratch directory being removed."""
     child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_terminated_with(os.getpid()),
     )
     try:
         output, _ = child.communicate(timeout=timeout_s)
@@ -150,11 +164,67 @@ def _run_bounded(command: list[str], timeout_s: float) -> subprocess.CompletedPr
         return None
     finally:
         if child.returncode is None:  # not reaped yet, so its pid still names its session
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
+            kill_session(child.pid)
             child.wait()
         if child.stdout is not None:
             child.stdout.close()
+
+
+def _terminated_with(parent: int) -> Callable[[], None]:
+    """The build child's setup before exec (after setsid): SIGTERM when the thread that started it ends,
+    which, as `build` waits for the child, is when its process dies."""
+
+    def arm() -> None:
+        with contextlib.suppress(OSError, AttributeError):  # not Linux: the builder's own cleanup only
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the builder died before the signal was armed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL every process of `session` but the caller (its leader's pid names it while the leader is
+    alive or unreaped). Passes again until none is left: one may have forked while we looked. Without
+    /proc (not Linux), the leader's process group only."""
+    if not Path("/proc/self/stat").exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(session, signal.SIGKILL)
+        return
+    for _ in range(10):
+        members = [pid for pid in _session_members(session) if pid != os.getpid()]
+        if not members:
+            return
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    log.warning("processes of build session %d kept appearing while it was killed", session)
+
+
+def _session_members(session: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:  # fields after "(comm)": state, ppid, pgrp, session
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def _end_build(directory: Path) -> Callable[[int, object], None]:
+    """In the build child, on SIGTERM (its builder died): take down what it started, then its files."""
+
+    def end(signum: int, _: object) -> None:
+        kill_session(os.getsid(0))
+        shutil.rmtree(directory, ignore_errors=True)
+        os._exit(128 + signum)
+
+    return end
 
 
 def _build_into(directory: Path, name: str) -> None:
@@ -178,4 +248,5 @@ def _build_into(directory: Path, name: str) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _end_build(Path(sys.argv[1])))
     _build_into(Path(sys.argv[1]), sys.argv[2])

@@ -13,16 +13,22 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import unquote
 
 import fsspec
 import pytest
 from moto.server import ThreadedMotoServer
 
-from adapters.errors import AdapterLoadFailed, AdapterNotFound, AdapterStoreUnavailable
-from adapters.manifest import MANIFEST_FILE
+from adapters.errors import AdapterLoadFailed, AdapterNotFound, AdapterStoreUnavailable, AdapterStoreUnsafe
+from adapters.manifest import MANIFEST_FILE, Manifest, content_key, digest_file
 from adapters.ref import AdapterRef
 from adapters.spec import CONFIG_FILE, WEIGHTS_FILE
 from adapters.store import AdapterStore, store_location
+from billing import adapter_registry
+from billing.adapter_digests import RegistryDigests
+from billing.db import make_engine, make_session_factory
+from billing.migrate import upgrade
+from tests.adapters.s3_proxy import s3_proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS_ENV = {
@@ -180,7 +186,8 @@ def test_concurrent_puts_from_two_processes(url: str, tmp_path: Path) -> None:
 
 def test_a_version_without_its_manifest_is_invisible_and_swept(url: str, src: Path, tmp_path: Path) -> None:
     fs, root = raw(url)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):  # a writer killed before its manifest
+    fs.pipe_file(f"{root}/.uploads/a/v1", b"")  # a writer killed before its manifest
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
         fs.put_file(str(src / name), f"{root}/a/v1/{name}")
     store = open_store(url, tmp_path / "cache")
     assert store.versions("a") == []
@@ -191,7 +198,51 @@ def test_a_version_without_its_manifest_is_invisible_and_swept(url: str, src: Pa
     assert store.cleanup_tmp(max_age_s=3600) == 0  # still fresh: maybe a writer at work
     assert store.cleanup_tmp(max_age_s=0) == 1
     assert fs.find(f"{root}/a/v1/") == []
+    assert fs.find(f"{root}/.uploads/") == []  # its marker went with it, and v2's after its upload
     assert store.versions("a") == [2]
+
+
+def test_the_sweep_lists_only_the_stores_uploads_and_touches_nothing_else(
+    endpoint: str, url: str, src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket may hold anything beside the store, even under its prefix; the sweep used to list all of
+    it and remove whatever looked like `<x>/v<N>/...` without a manifest."""
+    fs, root = raw(url)
+    bucket = root.split("/")[0]
+    strangers = [f"{bucket}/other-app/v1/data.csv", f"{root}/notes/v2/draft.txt"]
+    for key in strangers:
+        fs.pipe_file(key, b"not ours")
+    fs.pipe_file(f"{root}/.uploads/a/v1", b"")  # one upload a killed writer left
+    fs.put_file(str(src / CONFIG_FILE), f"{root}/a/v1/{CONFIG_FILE}")
+    with s3_proxy(endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert open_store(url, tmp_path / "cache").cleanup_tmp(max_age_s=0) == 1
+    listed = [unquote(path) for method, path in proxy.requests if method == "GET" and "list-type" in path]
+    assert listed and all("prefix=store/.uploads/" in p or "prefix=store/a/v1/" in p for p in listed), listed
+    assert all(fs.exists(key) for key in strangers)
+    assert fs.find(f"{root}/a/") == [] and fs.find(f"{root}/.uploads/") == []
+
+
+def test_a_store_that_creates_one_object_twice_refuses_uploads(
+    endpoint: str, url: str, src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two writers could claim one version number there and overwrite each other's files."""
+    root = raw(url)[1]
+    with s3_proxy(endpoint, conditional_creates=False) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ignoring, _ = raw(url)
+        ignoring.pipe_file(f"{root}/twice", b"1", mode="create")
+        ignoring.pipe_file(f"{root}/twice", b"2", mode="create")  # what the check finds: no refusal
+        store = open_store(url, tmp_path / "cache")
+        assert store.check_writes() is not None
+        with pytest.raises(AdapterStoreUnsafe, match="created twice"):
+            store.put_dir("a", src)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # the same bucket, spoken to directly: it refuses
+    fs = raw(url)[0]
+    assert fs.find(f"{root}/a") == [] and fs.find(f"{root}/.probes") == []  # nothing claimed, no probe left
+    honest = open_store(url, tmp_path / "cache")
+    assert honest.check_writes() is None
+    assert honest.put_dir("a", src) == AdapterRef("a", 1)
 
 
 def test_files_that_do_not_match_their_manifest_are_refused(url: str, src: Path, tmp_path: Path) -> None:
@@ -325,3 +376,66 @@ def test_checking_a_version_fetches_its_config_not_its_weights(url: str, src: Pa
     assert store.config_dir(ref) == config_dir  # verified, not fetched again
     full = store.path(ref)
     assert store.config_dir(ref) == full  # once cached whole, the entry serves both
+
+
+def registered(url: str, src: Path, tmp_path: Path) -> tuple[AdapterStore, AdapterRef]:
+    """A store whose node cache checks against a real registry, and `src` uploaded as the ingress does:
+    into the store, then its digest into the registry."""
+    database = f"sqlite:///{tmp_path / 'registry.db'}"
+    upgrade(database)
+    sessions = make_session_factory(make_engine(database))
+    store = AdapterStore(url, cache_dir=tmp_path / "cache", digests=RegistryDigests(sessions))
+    with sessions() as session, session.begin():
+        adapter = adapter_registry.create_adapter(session, name="a", owner="public", base_model="m")
+        ref = store.put_dir(adapter.id, src)
+        weights = digest_file(src / WEIGHTS_FILE)
+        adapter_registry.add_version(
+            session, adapter=adapter, version=ref.version, rank=4, target_modules=["q_proj"],
+            sha256=weights.sha256, size_bytes=weights.size + (src / CONFIG_FILE).stat().st_size,
+        )  # fmt: skip
+    return store, ref
+
+
+def forge(directory: Path, ref: AdapterRef, weights: bytes) -> Path:
+    """Other weights with a manifest that matches them, under the name that manifest gives: all a
+    manifest-only check looks at agrees."""
+    (directory / WEIGHTS_FILE).write_bytes(weights)
+    manifest = Manifest.of_dir(ref, directory, [CONFIG_FILE, WEIGHTS_FILE]).to_json()
+    (directory / MANIFEST_FILE).write_bytes(manifest)
+    return directory.rename(directory.with_name(f"v{ref.version}.{content_key(manifest)}"))
+
+
+def test_a_cache_entry_that_is_not_the_registered_version_is_fetched_again(
+    url: str, src: Path, tmp_path: Path
+) -> None:
+    store, ref = registered(url, src, tmp_path)
+    assert store.cache is not None
+    good = (src / WEIGHTS_FILE).read_bytes()
+    forged = forge(store.path(ref), ref, os.urandom(len(good)))
+    trusting = open_store(url, tmp_path / "cache")  # a cache that checks entries by their manifest alone
+    assert (trusting.path(ref) / WEIGHTS_FILE).read_bytes() != good
+    path = store.path(ref)
+    assert (path / WEIGHTS_FILE).read_bytes() == good and store.cache.fetches == 2
+    assert not forged.exists()
+    assert store.path(ref) == path and store.cache.fetches == 2  # the good copy is a hit
+
+
+def test_a_stored_version_that_is_not_the_registered_one_is_refused(
+    url: str, src: Path, tmp_path: Path
+) -> None:
+    """Whoever can write to the store can rewrite a version's manifest to match other files."""
+    store, ref = registered(url, src, tmp_path)
+    assert store.cache is not None
+    forged = forge(Path(shutil.copytree(src, tmp_path / "forged")), ref, os.urandom(64 * 1024))
+    fs, root = raw(url)
+    for name in (WEIGHTS_FILE, MANIFEST_FILE):
+        fs.put_file(str(forged / name), f"{root}/{ref.adapter_id}/v{ref.version}/{name}")
+    assert open_store(url, tmp_path / "trusting").path(ref).is_dir()  # it passes its own manifest
+    with pytest.raises(AdapterLoadFailed, match="not the registered one"):
+        store.path(ref)
+    with pytest.raises(AdapterLoadFailed, match="not the registered one"):
+        store.config_dir(ref)
+    assert store.cache.total_bytes() == 0 and store.cache.fetches == 0
+    stray = open_store(url, tmp_path / "writer").put_dir("stray", src)
+    with pytest.raises(AdapterNotFound):  # stored, but the registry never recorded it
+        store.path(stray)

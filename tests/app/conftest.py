@@ -22,6 +22,8 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.services import Services
 from app.settings import Settings
+from billing.adapter_digests import RegistryDigests
+from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
@@ -29,7 +31,7 @@ from deployments.engine.interface import LocalEngineClient
 from deployments.registry_watcher import RegistryWatcher
 from tests.model_fixtures import TinySetup
 
-ADMIN_KEY = "admin-test-key"
+ADMIN_KEY = "admin-test-key-0123456789abcdefghijklmn"  # 32 bytes at least
 MODEL = "tiny-llama"
 
 
@@ -104,6 +106,7 @@ def serving(
         data_dir=data_dir,
         database_url=url,
         admin_key=ADMIN_KEY,
+        admin_auth_failure_limit=1_000_000,  # many tests probe wrong admin keys; test_admin_auth throttles
         auth_cache_ttl_s=0.2,
         adapter_cache_ttl_s=0.2,
         adapter_store=store or llama.store_root,
@@ -120,7 +123,8 @@ def serving(
             block_size=4,
             max_num_seqs=16,
             max_num_batched_tokens=128,
-        )
+        ),
+        adapter_digests=RegistryDigests(make_session_factory(make_engine(url))),  # as on a replica
     )
     specs = {MODEL: BaseModelSpec(llama.model_dir)}
     services = build_services(settings, LocalEngineClient({MODEL: engine}), specs)

@@ -9,6 +9,7 @@ for sure, not by luck of timing.
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -177,9 +178,11 @@ def test_a_client_gone_when_the_stream_starts_is_billed(proxied: Served) -> None
     assert row.prompt_tokens > 0 and 1 <= row.completion_tokens < 200  # it had its first token, no more
 
 
-def test_leaving_a_non_streaming_request_mid_generation_bills_its_tokens(proxied: Served) -> None:
+def test_leaving_a_non_streaming_request_mid_generation_bills_its_tokens(
+    proxied: Served, caplog: pytest.LogCaptureFixture
+) -> None:
     tenant_id, key = proxied.new_tenant(f"ab-g-{uuid.uuid4().hex[:8]}", tier="enterprise")
-    with SlowSteps(proxied, step_s=0.05) as steps:
+    with SlowSteps(proxied, step_s=0.05) as steps, caplog.at_level(logging.INFO, logger="app.middleware"):
         body = {"model": MODEL, "prompt": "go", "max_tokens": 400, "temperature": 0}  # runs long, greedy
         sock = send_raw(proxied, key, body)
         steps.wait(10)  # one prefill step, then decodes
@@ -188,3 +191,5 @@ def test_leaving_a_non_streaming_request_mid_generation_bills_its_tokens(proxied
     wait_for(engine_idle(proxied))
     assert row.status == "aborted" and row.finish_reason == "abort"
     assert row.prompt_tokens > 0 and 5 <= row.completion_tokens < 400
+    # Its handler was cancelled, as Serve reports a client that left: one ordinary line says so.
+    assert [r.getMessage() for r in caplog.records] == [f"client disconnected (request {row.request_id})"]

@@ -10,6 +10,7 @@ from app.demo import DEMO_KEY_NAME, prepare
 from app.settings import Settings
 from billing import repository
 from billing.db import make_engine, make_session_factory
+from tests.app.conftest import ADMIN_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,7 @@ def test_each_up_revokes_earlier_demo_keys(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.chdir(tmp_path)  # as a new user runs it: the config's relative paths land here
     config = tmp_path / "serve_config.yaml"
     shutil.copy(ROOT / "serve_config.yaml", config)
-    settings = Settings(data_dir=tmp_path / "var", database_url="", admin_key="admin")
+    settings = Settings(data_dir=tmp_path / "var", database_url="", admin_key=ADMIN_KEY)
     first = prepare(settings, config)
     second = prepare(settings, config)
     assert first.tenant_id == second.tenant_id and first.api_key != second.api_key

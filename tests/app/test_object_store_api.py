@@ -2,6 +2,8 @@
 an upload is servable at once and equals PEFT; with the store gone, uploads answer 503 and leave nothing
 behind while adapters already in the engine's node cache keep serving."""
 
+import logging
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +13,13 @@ import pytest
 from moto.server import ThreadedMotoServer
 from openai import OpenAI
 
-from tests.app.conftest import Served, serving
+from app.bootstrap import build_services
+from app.catalog import BaseModelSpec
+from app.main import create_app
+from app.settings import Settings
+from deployments.engine.interface import LocalEngineClient
+from tests.adapters.s3_proxy import s3_proxy
+from tests.app.conftest import ADMIN_KEY, MODEL, LiveServer, Served, serving
 from tests.app.test_adapters_api import greedy, reference_text, upload_files
 from tests.engine.reference import PeftReference
 from tests.model_fixtures import TinySetup
@@ -77,3 +85,48 @@ def test_uploads_serve_from_the_store_and_outlive_its_outage(on_s3: Served, s3: 
         assert greedy(client, "sql") == expected  # served from the engine's tiers and node cache
     finally:
         s3.start()
+
+
+def test_the_ingress_keeps_its_node_cache_where_configured(on_s3: Served) -> None:
+    """It used the per-user default under /tmp, a path anyone could plant a link at beforehand."""
+    cache = on_s3.services.store.cache
+    assert cache is not None and cache.root == on_s3.data_dir / "ingress-cache"
+    assert stat.S_IMODE(cache.root.stat().st_mode) == 0o700
+
+
+def test_uploads_to_a_store_that_creates_one_object_twice_are_refused(
+    on_s3: Served,
+    s3: ThreadedMotoServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An ingress starting on such a store says why in its log; an upload then gets a 503 that says uploads
+    are off, with no internals, and leaves nothing behind. Serving is unaffected."""
+    tenant_id, _ = on_s3.new_tenant(f"unsafe-{uuid.uuid4().hex[:8]}")
+    host, port = s3.get_host_and_port()  # restarted by the outage test: maybe on another port
+    with s3_proxy(f"http://{host}:{port}", conditional_creates=False) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        settings = Settings(
+            data_dir=tmp_path,
+            database_url=f"sqlite:///{on_s3.data_dir / 'loraplex.db'}",
+            admin_key=ADMIN_KEY,
+            adapter_store=f"s3://{BUCKET}/prod",
+            adapter_cache_dir=tmp_path / "cache",
+        )
+        with caplog.at_level(logging.ERROR):
+            services = build_services(
+                settings,
+                LocalEngineClient({MODEL: on_s3.engine}),
+                {MODEL: BaseModelSpec(on_s3.setup.model_dir)},
+            )
+        assert "refuses uploads" in caplog.text and "created twice" in caplog.text
+        with LiveServer(create_app(services)) as server:
+            ingress = Served(server.url, on_s3.engine, services, on_s3.setup, tmp_path)
+            refused = upload_files(ingress, "sql", tenant_id, on_s3.setup.adapter_dirs["demo-sql"])
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "adapter_uploads_disabled" and "s3://" not in error["message"]
+    assert "retry-after" not in refused.headers  # it stays refused until the operator changes the store
+    with on_s3.admin() as admin:
+        assert admin.get("/admin/adapters", params={"owner": tenant_id}).json()["data"] == []

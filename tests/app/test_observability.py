@@ -13,13 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.admin_listener import AdminListener
 from app.limits import WindowState
 from app.log_context import attach
+from app.main import create_app
 from app.metrics import MEMORY
 from billing.db import make_engine, make_session_factory
 from deployments.engine_metrics import EngineMetrics
+from tests.app.bare_serving import bare_serving
 from tests.app.conftest import MODEL, Served
 from tests.app.test_rate_limits import DownLimiter, complete, make_tier
+from tests.model_fixtures import TinySetup
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -53,6 +57,45 @@ def test_readyz_when_everything_answers(served: Served) -> None:
         "status": "ready",
         "checks": {"database": "ok", "limiter": "ok", f"engine:{MODEL}": "ok"},
     }
+
+
+def test_docs_are_public_by_default(served: Served) -> None:
+    """The embedded defaults keep /docs on the one port, for someone trying the API locally."""
+    assert httpx.get(f"{served.url}/docs").status_code == 200
+    assert "/v1/chat/completions" in httpx.get(f"{served.url}/openapi.json").json()["paths"]
+
+
+def test_the_tenant_port_can_keep_docs_and_check_names_to_the_admin_listener(
+    llama: TinySetup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the cluster recipe runs it: nothing on the public port describes the API or names a model."""
+    with bare_serving(llama, tmp_path, public_docs=False, public_readiness_checks=False) as bare:
+        listener = AdminListener(create_app(bare.services, routes="admin"), "127.0.0.1:0").start()
+        admin_url = f"http://127.0.0.1:{listener.port}"
+        try:
+            for path in ("/docs", "/redoc", "/openapi.json"):
+                hidden = httpx.get(f"{bare.url}{path}")
+                assert hidden.status_code == 404, path  # before: 200, and the schema lists /admin too
+                assert set(hidden.json()["error"]) == {"message", "type", "param", "code"}
+            assert httpx.get(f"{admin_url}/docs").status_code == 200
+            assert "/admin/tenants" in httpx.get(f"{admin_url}/openapi.json").json()["paths"]
+            ready = httpx.get(f"{bare.url}/readyz", timeout=10)
+            assert ready.status_code == 200 and ready.json() == {"status": "ready"}  # before: every model
+            checks = httpx.get(f"{admin_url}/readyz", timeout=10).json()["checks"]
+            assert checks == {"database": "ok", "limiter": "ok", f"engine:{MODEL}": "ok"}
+
+            nowhere = make_session_factory(make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none"))
+            monkeypatch.setattr(bare.services, "session_factory", nowhere)
+            down = httpx.get(f"{bare.url}/readyz", timeout=10)
+            assert down.status_code == 503 and down.headers["retry-after"] == "1"
+            body = down.json()
+            assert body["status"] == "not_ready" and body["error"]["code"] == "not_ready"
+            assert "checks" not in body
+            assert MODEL not in down.text and "database" not in down.text
+            named = httpx.get(f"{admin_url}/readyz", timeout=10).json()
+            assert named["checks"]["database"] == "failed" and "database" in named["error"]["message"]
+        finally:
+            listener.stop()
 
 
 def test_readyz_names_a_broken_database(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:

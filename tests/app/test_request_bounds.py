@@ -2,15 +2,20 @@
 characters, tokenisation runs off the event loop, and numbers no model can serve are refused by name
 before they reach the limiter or the engine. Nothing refused here leaves a usage row."""
 
+import json
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
+from pydantic import TypeAdapter, ValidationError
 
 from app.prompts import PromptBuilder
+from app.schemas.openai import MAX_PROMPT_TOKENS, MAX_PROMPTS, CompletionRequest, Prompt
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
+from tests.app.features import best_of
 from tests.app.test_error_contract import assert_error
 from tests.app.test_metering import usage_rows
 
@@ -68,6 +73,62 @@ def test_message_count_and_prompt_characters_are_capped(served: Served, tenant: 
     r = post(served, key, "/v1/chat/completions", json={"model": MODEL, "messages": messages})
     assert_error(r, 400, code="prompt_too_large", param="messages")
     assert usage_rows(served, tenant_id) == []
+
+
+def compact(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()  # 2 bytes a token id: 1M fit the 2 MB limit
+
+
+def test_token_id_prompts_count_against_the_prompt_characters(
+    served: Served, tenant: tuple[str, str]
+) -> None:
+    """A token id counts as a character of text: ids never buy a longer prompt than text could."""
+    tenant_id, key = tenant
+    limit = served.services.settings.max_prompt_chars
+    r = post(served, key, "/v1/completions", content=compact({"model": MODEL, "prompt": [7] * (limit + 1)}))
+    error = assert_error(r, 400, code="prompt_too_large", param="prompt")
+    assert f"{limit + 1:,} token ids" in error["message"], error
+    half = [7] * (limit // 2 + 1)
+    r = post(served, key, "/v1/completions", content=compact({"model": MODEL, "prompt": [half, half]}))
+    assert_error(r, 400, code="prompt_too_large", param="prompt")
+    assert usage_rows(served, tenant_id) == []
+
+
+@pytest.mark.parametrize(
+    "prompt", [["a"] * (MAX_PROMPTS + 1), [[7]] * (MAX_PROMPTS + 1)], ids=["texts", "ids"]
+)
+def test_prompt_lists_past_the_schemas_bound_are_400_naming_it(
+    served: Served, tenant: tuple[str, str], prompt: list[Any]
+) -> None:
+    _, key = tenant
+    r = post(served, key, "/v1/completions", json={"model": MODEL, "prompt": prompt})
+    error = assert_error(r, 400, param="prompt")
+    assert f"at most {MAX_PROMPTS:,}" in error["message"], error
+
+
+def test_a_prompt_past_the_schemas_token_bound_is_refused_by_its_length() -> None:
+    """Refused before any id is validated (a 2 MB body cannot reach the bound: a larger max_body_kb can)."""
+    over = [7] * (MAX_PROMPT_TOKENS + 1)
+    for prompt, which in ((over, "the prompt"), ([[7], over], "prompt 1")):
+        with pytest.raises(ValidationError) as raised:
+            CompletionRequest.model_validate({"model": MODEL, "prompt": prompt})
+        [error] = raised.value.errors()
+        assert error["loc"] == ("prompt",)
+        assert (
+            f"{which} has {MAX_PROMPT_TOKENS + 1:,} token ids; at most {MAX_PROMPT_TOKENS:,}" in error["msg"]
+        )
+
+
+def test_a_token_id_prompt_is_validated_once_as_token_ids() -> None:
+    """Its first element picks the shape: a plain union validated a 2 MB list of ids as strings first (an
+    error per id), ~1 s of the event loop every request shares."""
+    with pytest.raises(ValidationError) as raised:
+        TypeAdapter(Prompt).validate_python([7] * 1000 + ["x"])
+    assert raised.value.error_count() == 1  # one shape tried (the union reported 2,003 errors)
+    ids = [7] * 1_000_000
+    request = best_of(3, lambda: CompletionRequest.model_validate({"model": MODEL, "prompt": ids}))
+    ids_alone = best_of(3, lambda: TypeAdapter(list[int]).validate_python(ids))
+    assert request < 5 * ids_alone, (request, ids_alone)  # generous: about 1x; the union was 20-50x
 
 
 def test_templating_and_tokenisation_run_off_the_event_loop(

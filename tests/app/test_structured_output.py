@@ -11,8 +11,11 @@ from openai.types.chat import ChatCompletionMessageParam
 from openai.types.shared_params import ResponseFormatJSONSchema
 from pydantic import BaseModel, Field
 
+from app.metrics import MEMORY
+from deployments.engine_metrics import EngineMetrics
 from tests.app.conftest import MODEL, Served
 from tests.app.features import MODELS, Account, account_with_adapter, account_without_adapter, assert_refused
+from tests.app.test_observability import wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe a pet as JSON."}]
 MAX_TOKENS = 96
@@ -181,3 +184,35 @@ def test_bad_response_formats_are_400_naming_it(
         )
 
     assert_refused(served, refused, call, param)
+
+
+def test_a_schema_the_grammar_would_fail_at_its_first_token_is_a_400_naming_its_field(
+    served: Served, refused: Account
+) -> None:
+    # 499 optional properties: the grammar library fails such an object at its "{", mid-generation; the
+    # engine refuses it when compiling, and counts the refusal. (As tools, the same schema is refused
+    # under `tools`, tests/engine/test_grammar.py; here its text would not fit the demo model's context.)
+    wide: dict[str, Any] = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(499)},
+    }
+    metrics = EngineMetrics(served.engine, base_model=MODEL)
+    metrics.export_once()
+    before = MEMORY.value("loraplex_engine_grammar_refusals", base_model=MODEL, reason="schema")
+
+    def call() -> object:
+        return refused.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, response_format=json_schema_format(wide)
+        )
+
+    error = assert_refused(served, refused, call, "response_format")
+    assert error["param"] == "response_format" and error["code"] is None
+    assert "first 499 properties are optional; at most 498" in error["message"], error
+
+    def counted() -> bool:
+        metrics.export_once()
+        return (
+            MEMORY.value("loraplex_engine_grammar_refusals", base_model=MODEL, reason="schema") == before + 1
+        )
+
+    wait_for(counted)

@@ -2,7 +2,10 @@
 the SDK reads back (streamed or not), auto output is parsed, and an agent loop's tool results render."""
 
 import json
+import random
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -10,13 +13,26 @@ import httpx
 import jsonschema
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from openai.types.shared_params import ResponseFormatJSONSchema
 
+from app import choices as choices_module
+from app import tool_calls
+from app.choices import HEAVY_BLOCKS, HEAVY_CHARS, Choices, Shape
 from app.errors import InvalidParameter
 from app.prompts import PromptBuilder
-from app.schemas.openai import ChatMessage
-from app.tool_calls import BEGIN, END, ToolCallStream, parse
+from app.schemas.openai import ChatChoice, ChatMessage
+from app.tool_calls import BEGIN, END, ParsedCall, ToolCallStream, parse
+from deployments.engine.interface import FinishReason, RequestOutput
 from tests.app.conftest import MODEL, Served
-from tests.app.features import MODELS, Account, account_with_adapter, account_without_adapter, assert_refused
+from tests.app.features import (
+    MODELS,
+    Account,
+    account_with_adapter,
+    account_without_adapter,
+    assert_refused,
+    best_of,
+)
+from tests.model_fixtures import TinySetup
 
 WEATHER: ChatCompletionToolParam = {
     "type": "function",
@@ -114,6 +130,109 @@ def test_whitespace_between_calls_is_no_content() -> None:
     events = stream.feed(call + "\n") + stream.feed(call) + stream.finish()
     assert [e for e in events if isinstance(e, str)] == []
     assert parse(call + "\n" + call, NAMES)[0] is None
+
+
+def streamed(text: str, step: int) -> tuple[str, list[ParsedCall]]:
+    """`text` through a ToolCallStream, `step` characters at a time: (content, calls)."""
+    stream = ToolCallStream(NAMES)
+    events = []
+    for i in range(0, len(text), step):
+        events += stream.feed(text[i : i + step])
+    events += stream.finish()
+    return "".join(e for e in events if isinstance(e, str)), [e for e in events if not isinstance(e, str)]
+
+
+# The block pattern the parser used before issue 24 (quadratic on openings without a closing one).
+_LAZY_BLOCK = re.compile(re.escape(BEGIN) + r"(.*?)" + re.escape(END), re.DOTALL)
+
+
+def test_the_one_pass_parser_finds_the_blocks_the_lazy_regex_found() -> None:
+    rnd = random.Random(24)
+    parts = [BEGIN, END, BEGIN[:5], END[:7], "x", " ", "\n", '{"name": "get_time", "arguments": {}}', "{"]
+    for _ in range(500):
+        text = "".join(rnd.choice(parts) for _ in range(rnd.randrange(12)))
+        expected = [(m.start(), m.end(), m.group(1)) for m in _LAZY_BLOCK.finditer(text)]
+        assert list(tool_calls.blocks(text)) == expected, text
+        content, calls = parse(text, NAMES)
+        for step in (1, 3, 11):
+            stream_content, stream_calls = streamed(text, step)
+            assert (stream_content or None, [c.name for c in stream_calls]) == (
+                content or None,
+                [c.name for c in calls],
+            ), text
+
+
+def test_unclosed_openings_cost_one_pass_like_plain_text_of_their_length() -> None:
+    """8,192 openings with no closing one (a `response_format` pattern can force them): the lazy regex took
+    seconds per choice, rescanning the rest of the text from each opening. Both parsers now cost about what
+    plain text of the same length does, measured here; the bound is generous (regex: ~10^5 times)."""
+    hostile = "Sure. " + BEGIN * 8192
+    plain = "x" * len(hostile)
+    assert parse(hostile, NAMES) == (hostile, []) and streamed(hostile, 4) == (hostile, [])
+    ratio = best_of(5, lambda: parse(hostile, NAMES)) / best_of(5, lambda: parse(plain, NAMES))
+    assert ratio < 50, ratio
+    ratio = best_of(3, lambda: streamed(hostile, 4)) / best_of(3, lambda: streamed(plain, 4))
+    assert ratio < 3, ratio  # the held text grew by copies and was searched from its start: ~10x
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python's JSON decoder goes: RecursionError inside
+
+
+@pytest.mark.parametrize(
+    "inside",
+    [
+        DEEP,
+        f'{{"name": "get_time", "arguments": {DEEP}}}',
+        json.dumps({"name": "get_time", "arguments": DEEP}),
+    ],
+    ids=["block", "arguments", "arguments-as-a-string"],
+)
+def test_json_nested_past_the_decoder_is_a_malformed_call_that_stays_text(inside: str) -> None:
+    text = f"Hm. {BEGIN}{inside}{END}"
+    assert parse(text, NAMES) == (text, [])
+    assert streamed(text, 1000) == (text, [])
+
+
+def _output(text: str) -> RequestOutput:
+    return RequestOutput(request_id="r", text=text, finished=True, finish_reason=FinishReason.STOP)
+
+
+def test_a_choice_whose_call_nests_too_deep_keeps_its_text_whole_and_streamed(llama: TinySetup) -> None:
+    texts = PromptBuilder(llama.model_dir).tokens
+    text = f'{BEGIN}{{"name": "get_time", "arguments": {DEEP}}}{END}'
+    whole = Choices("chat", Shape(tool_names=NAMES), [[1]], texts)
+    whole.add(_output(text))
+    assert whole.heavy()  # 200,000 characters: shaped and rendered off the event loop
+    [choice] = whole.final()
+    assert isinstance(choice, ChatChoice)
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
+    stream = Choices("chat", Shape(tool_names=NAMES), [[1]], texts)
+    assert stream.chunk(RequestOutput(request_id="r", text=text[:-1])) == []  # held: it may be a call
+    last = _output(text[-1:])
+    assert stream.heavy(last)  # what the stream held comes out now
+    pieces = stream.chunk(last)
+    assert "".join(p.delta.content or "" for p in pieces) == text  # type: ignore[union-attr]
+    assert not any(p.delta.tool_calls for p in pieces)  # type: ignore[union-attr]
+    assert pieces[-1].finish_reason == "stop"
+
+
+def test_a_response_is_heavy_past_its_bounds_of_openings_and_characters(llama: TinySetup) -> None:
+    texts = PromptBuilder(llama.model_dir).tokens
+
+    def heavy(text: str, tool_names: frozenset[str] = NAMES) -> bool:
+        choices = Choices("chat", Shape(tool_names=tool_names), [[1]], texts)
+        choices.add(_output(text))
+        return choices.heavy()
+
+    assert not heavy("hello " + BEGIN * (HEAVY_BLOCKS - 1))
+    assert heavy("hello " + BEGIN * HEAVY_BLOCKS)
+    assert not heavy(BEGIN * HEAVY_BLOCKS, frozenset())  # no tools: nothing to parse
+    assert not heavy("x" * (HEAVY_CHARS - 1), frozenset())
+    assert heavy("x" * HEAVY_CHARS, frozenset())
+    stream = Choices("chat", Shape(tool_names=NAMES), [[1]], texts)
+    call = f'{BEGIN}{{"name": "get_time", "arguments": {{}}}}{END}'
+    assert not stream.heavy(RequestOutput(request_id="r", text=call * (HEAVY_BLOCKS - 1)))
+    assert stream.heavy(RequestOutput(request_id="r", text=call * HEAVY_BLOCKS))  # a piece of many calls
 
 
 # -- the template -------------------------------------------------------------------------------------
@@ -292,6 +411,73 @@ def test_auto_tool_choice_leaves_a_random_models_text_as_content(account: Accoun
     assert reply.choices[0].message.tool_calls is None
 
 
+# A pattern forces the tiny model to write openings only, never a closing tag: as many as make the final
+# body heavy (the tool parse then runs off the event loop); ~6 tokens each.
+OPENINGS: ResponseFormatJSONSchema = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "openings",
+        "schema": {"type": "string", "pattern": f"^({re.escape(BEGIN)}){{{HEAVY_BLOCKS}}}$"},
+    },
+}
+
+
+class HealthProbe:
+    """Wraps a step of building a response: each call first asks the same server for /healthz, which only
+    an event loop left free can answer (run on the loop, the step would block it until the probe gives up)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.answers: list[int | str] = []
+
+    def around(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        def probed(*args: Any, **kwargs: Any) -> Any:
+            try:
+                self.answers.append(httpx.get(f"{self.url}/healthz", timeout=5).status_code)
+            except httpx.TimeoutException:
+                self.answers.append("no answer: the event loop was held")
+            return step(*args, **kwargs)
+
+        return probed
+
+
+def test_a_response_of_many_unclosed_calls_is_parsed_off_the_event_loop(
+    served: Served, account: Account, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = HealthProbe(served.url)
+    monkeypatch.setattr(choices_module, "parse", probe.around(parse))
+    reply = account.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=[CLOCK], response_format=OPENINGS, max_tokens=8 * HEAVY_BLOCKS
+    )
+    choice = reply.choices[0]
+    assert choice.message.content == json.dumps(BEGIN * HEAVY_BLOCKS)  # as written: no call in it
+    assert (choice.message.tool_calls, choice.finish_reason) == (None, "stop")
+    assert probe.answers == [200]
+
+
+def test_a_stream_releases_a_large_held_call_off_the_event_loop(
+    served: Served, account: Account, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The held text of an unclosed call comes out at the end of its choice, in one piece: past HEAVY_CHARS
+    (lowered here to what the tiny engine's context can hold) that piece is built off the event loop."""
+    monkeypatch.setattr(choices_module, "HEAVY_CHARS", len(BEGIN) * HEAVY_BLOCKS // 2)
+    probe = HealthProbe(served.url)
+    monkeypatch.setattr(ToolCallStream, "finish", probe.around(ToolCallStream.finish))
+    stream = account.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[CLOCK],
+        response_format=OPENINGS,
+        max_tokens=8 * HEAVY_BLOCKS,
+        stream=True,
+    )
+    deltas = [c for chunk in stream for c in chunk.choices]
+    assert "".join(c.delta.content or "" for c in deltas) == json.dumps(BEGIN * HEAVY_BLOCKS)
+    assert not any(c.delta.tool_calls for c in deltas)
+    assert deltas[-1].finish_reason == "stop"
+    assert probe.answers == [200]
+
+
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     (
         "unknown-named-tool",
@@ -356,3 +542,18 @@ def test_malformed_tool_messages_are_400(served: Served, refused: Account, messa
         )
 
     assert_refused(served, refused, call, "messages.2")
+
+
+@pytest.mark.parametrize("depth", [500, 50_000], ids=["past-the-template", "past-the-decoder"])
+def test_a_past_calls_arguments_nested_too_deep_are_400_not_500(
+    served: Served, refused: Account, depth: int
+) -> None:
+    call_ = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}
+    message = cast(ChatCompletionMessageParam, {"role": "assistant", "content": None, "tool_calls": [call_]})
+
+    def call() -> object:
+        return refused.client.chat.completions.create(
+            model=MODEL, messages=[*MESSAGES, message], max_tokens=4
+        )
+
+    assert "nest too deeply" in assert_refused(served, refused, call, "messages")["message"]

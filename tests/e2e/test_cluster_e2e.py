@@ -2,7 +2,9 @@
 `ray start --head` (node A: ingress, metering, Serve's controller and proxy), `ray start --address` for an
 engine node B, `serve deploy docs/cluster/serve_config.yaml` through the head's dashboard, PostgreSQL
 and Redis from the environment, adapters in S3 (moto's server) that every node reads, each node with its
-own adapter cache directory (set in the environment of its `ray start`, which its workers inherit).
+own adapter cache directory (set in the environment of its `ray start`, which its workers inherit). Ray's
+token auth is on (one token file for every node and `serve deploy`); only node A's environment has the
+admin key and the key secret.
 
 An adapter uploaded through A's admin listener with the CLI is served by the engine replica on B exactly
 as HF PEFT generates it. Then node B is killed (its raylet and every process it started: one process
@@ -16,6 +18,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -134,7 +137,9 @@ class Node:
 @dataclass
 class Cluster:
     root: Path
-    env: dict[str, str]
+    env: dict[str, str]  # every node's, and `serve deploy`'s
+    ingress_env: dict[str, str]  # over it on node A, where the ingress runs: the secrets
+    ray_token: str
     gcs_port: int
     dashboard: str
     url: str
@@ -160,9 +165,10 @@ class Cluster:
             args.append(f"--address=127.0.0.1:{self.gcs_port}")
         cache_dir = self.root / f"cache-{name}"
         log = self.root / f"node-{name}.log"
+        own = {**self.env, **(self.ingress_env if head else {}), "LORAPLEX_ADAPTER_CACHE_DIR": str(cache_dir)}
         process = subprocess.Popen(
             [str(BIN / "ray"), "start", *args],
-            env=_environment({**self.env, "LORAPLEX_ADAPTER_CACHE_DIR": str(cache_dir)}),
+            env=_environment(own),
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,  # the node's session: see Node
@@ -171,16 +177,17 @@ class Cluster:
         return node
 
     def api(self, path: str) -> Any:
-        return httpx.get(f"{self.dashboard}{path}", timeout=10).json()
+        headers = {"authorization": f"Bearer {self.ray_token}"}
+        return httpx.get(f"{self.dashboard}{path}", headers=headers, timeout=10).json()
 
-    def engine_replicas(self) -> list[dict[str, Any]]:
-        """The engine deployment's running replicas (id, pid, node) as Serve's controller has them."""
+    def engine_replicas(self, deployment: str = f"engine-{MODEL}") -> list[dict[str, Any]]:
+        """A deployment's running replicas (id, pid, node) as Serve's controller has them."""
         try:
             apps = self.api("/api/serve/applications/")["applications"]
         except (httpx.HTTPError, ValueError):
             return []
-        deployment = apps.get("loraplex", {}).get("deployments", {}).get(f"engine-{MODEL}", {})
-        return [r for r in deployment.get("replicas", []) if r["state"] == "RUNNING"]
+        found = apps.get("loraplex", {}).get("deployments", {}).get(deployment, {})
+        return [r for r in found.get("replicas", []) if r["state"] == "RUNNING"]
 
     def node_of(self, pid: int) -> str:
         session = os.getsid(pid)
@@ -240,15 +247,23 @@ def _s3_bucket() -> Iterator[dict[str, str]]:
         server.stop()
 
 
-def _serve_config(setup: TinySetup, http_port: int) -> dict[str, Any]:
+def _serve_config(setup: TinySetup, http_port: int, admin_port: int) -> dict[str, Any]:
     """docs/cluster/serve_config.yaml with this host's changes: one proxy (HeadOnly: the nodes share a
-    host, so EveryNode proxies would fight over the port), the tiny model, one engine."""
+    host, so EveryNode proxies would fight over the port), a free port for the admin listener, the tiny
+    model, one engine."""
     config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
     config["proxy_location"] = "HeadOnly"
     config["http_options"] = {"host": "127.0.0.1", "port": http_port}
     config["logging_config"]["encoding"] = "TEXT"
     args = config["applications"][0]["args"]
     args["ingress_replicas"] = 1
+    # The recipe's ingress settings, as they are: admin on a loopback listener, the balancer's header,
+    # nothing on the public port that describes the API or names a model.
+    ingress = args["ingress_settings"]
+    assert ingress["admin_listen"].startswith("127.0.0.1:")
+    assert ingress["client_ip_header"] == "x-forwarded-for"
+    assert ingress["public_docs"] is False and ingress["public_readiness_checks"] is False
+    ingress["admin_listen"] = f"127.0.0.1:{admin_port}"
     assert "redis_url" not in args["rate_limiter"]  # from LORAPLEX_REDIS_URL, on every node
     [model] = args["models"]
     model.update(name=MODEL, num_replicas=1, report_interval_s=1.0)
@@ -275,25 +290,29 @@ def cluster(tiny_setups: dict[str, TinySetup]) -> Iterator[Cluster]:
         root = Path(tempfile.mkdtemp(prefix="lpx-cluster-"))  # short: Ray's socket paths live under it
         cleanup.callback(shutil.rmtree, root, ignore_errors=True)
         admin_port, http_port = free_port(), free_port()
+        ray_token = secrets.token_hex(32)
+        token_path = root / "ray_token"
+        token_path.touch(mode=0o600)
+        token_path.write_text(ray_token)
         env = {
             **aws,
-            "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns token auth on for new local clusters
+            "RAY_AUTH_MODE": "token",  # as the recipe has it: the same token file for every node
+            "RAY_AUTH_TOKEN_PATH": str(token_path),
             "LORAPLEX_DATABASE_URL": database_url,
-            "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
-            "LORAPLEX_KEY_SECRET": "cluster-test-secret",  # the same on every node
             "LORAPLEX_DATA_DIR": str(root / "data"),
             "LORAPLEX_ADAPTER_STORE": "s3://adapters/store",
             "LORAPLEX_REDIS_URL": REDIS_URL,  # the docs config leaves the limiter to the environment
             "LORAPLEX_AUTH_CACHE_TTL_S": "0.2",
-            "LORAPLEX_ADMIN_LISTEN": f"127.0.0.1:{admin_port}",
             # The GCS declares a lost node dead within ~2 s instead of Ray's default ~30 s.
             "RAY_health_check_period_ms": "500",
             "RAY_health_check_timeout_ms": "500",
             "RAY_health_check_failure_threshold": "3",
         }
+        # Only where the ingress runs (node A): engine nodes need neither.
+        ingress_env = {"LORAPLEX_ADMIN_KEY": ADMIN_KEY, "LORAPLEX_KEY_SECRET": "cluster-test-secret"}
         cluster = Cluster(
-            root, env, free_port(), f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{http_port}",
-            f"http://127.0.0.1:{admin_port}", database_url,
+            root, env, ingress_env, ray_token, free_port(), f"http://127.0.0.1:{free_port()}",
+            f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{admin_port}", database_url,
         )  # fmt: skip
         cleanup.callback(cluster.stop)
         head = cluster.start_node("a", {"loraplex_ingress": 1, "node_a": 1}, head=True)
@@ -301,7 +320,7 @@ def cluster(tiny_setups: dict[str, TinySetup]) -> Iterator[Cluster]:
         b = cluster.start_node("b", {"loraplex_engine": 1, "node_b": 1})
         wait_for(lambda: head.started() and b.started(), "nodes A and B", 90)
         config = root / "serve_config.yaml"
-        config.write_text(yaml.safe_dump(_serve_config(tiny_setups["llama"], http_port)))
+        config.write_text(yaml.safe_dump(_serve_config(tiny_setups["llama"], http_port, admin_port)))
         deployed = subprocess.run(
             [str(BIN / "serve"), "deploy", str(config), "--address", cluster.dashboard],
             env=_environment(env), capture_output=True, text=True, timeout=120,
@@ -412,6 +431,10 @@ def test_served_on_the_engine_node_as_peft(cluster: Cluster, uploaded: Uploaded)
     engine_env = psutil.Process(replica["pid"]).environ()
     assert engine_env["LORAPLEX_ADAPTER_CACHE_DIR"] == str(cluster.nodes["b"].cache_dir)
     assert engine_env["LORAPLEX_DATABASE_URL"] == cluster.database_url
+    # Neither secret on the engine node; both where the ingress runs.
+    assert not engine_env.get("LORAPLEX_ADMIN_KEY") and not engine_env.get("LORAPLEX_KEY_SECRET")
+    [ingress] = cluster.engine_replicas("ingress")
+    assert psutil.Process(ingress["pid"]).environ()["LORAPLEX_ADMIN_KEY"] == ADMIN_KEY
     # The adapter came from the object store into B's own cache, and no other node's.
     assert cluster.nodes["b"].cached() == [f"{uploaded.adapter_id}/v1"]
     assert cluster.nodes["c"].cached() == []
@@ -420,6 +443,26 @@ def test_served_on_the_engine_node_as_peft(cluster: Cluster, uploaded: Uploaded)
     uploaded.answered.append(r.json()["id"])
     took = {"upload_s": round(uploaded.upload_s, 2), "stored_to_served_on_b_s": round(uploaded.servable_s, 2)}
     print(f"cluster timings: {json.dumps(took)}")
+
+
+@pytest.mark.slow
+def test_the_recipe_keeps_the_cluster_closed(cluster: Cluster) -> None:
+    """Ray's dashboard runs nothing for a caller without the cluster's token; the public port has no admin
+    API, no API docs, and a /readyz that names no model; the admin listener has all three."""
+    job, jobs = {"entrypoint": "cat /proc/self/environ"}, f"{cluster.dashboard}/api/jobs/"
+    assert httpx.post(jobs, json=job, timeout=10).status_code == 401
+    wrong = {"authorization": f"Bearer {secrets.token_hex(32)}"}
+    assert httpx.post(jobs, json=job, headers=wrong, timeout=10).status_code == 403
+    assert httpx.get(f"{cluster.dashboard}/api/serve/applications/", timeout=10).status_code == 401
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.get(f"{cluster.url}/admin/tenants", headers=admin, timeout=10).status_code == 404
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(f"{cluster.url}{path}", timeout=10).status_code == 404, path
+        assert httpx.get(f"{cluster.admin_url}{path}", timeout=10).status_code == 200, path
+    ready = httpx.get(f"{cluster.url}/readyz", timeout=10)
+    assert ready.json() == {"status": "ready"} and MODEL not in ready.text
+    checks = httpx.get(f"{cluster.admin_url}/readyz", timeout=10).json()["checks"]
+    assert checks[f"engine:{MODEL}"] == "ok"
 
 
 @pytest.mark.slow
@@ -509,5 +552,8 @@ def test_placement_options_reach_each_deployment(monkeypatch: pytest.MonkeyPatch
     assert options == {
         "ingress": {"num_cpus": 0, "resources": {"loraplex_ingress": 0.01}},
         "metering": {"num_cpus": 0, "resources": {"loraplex_ingress": 0.01}},
-        "engine": {"num_cpus": 0, "num_gpus": 0, "resources": {"loraplex_engine": 1}},
-    }
+        "engine": {
+            "num_cpus": 0, "num_gpus": 0, "resources": {"loraplex_engine": 1},
+            "runtime_env": {"env_vars": {"LORAPLEX_ADMIN_KEY": "", "LORAPLEX_KEY_SECRET": ""}},
+        },
+    }  # fmt: skip

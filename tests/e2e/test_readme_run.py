@@ -1,6 +1,8 @@
 """The README's run command, as a new user runs it: fresh directory, fresh database, demo assets built,
 a demo key printed once and working against `serve run serve_config.yaml`; stopped with SIGTERM, cleanly
-(exit status 0) and quietly."""
+(exit status 0) and quietly, `serve run` and its local cluster with it. Started as a script's background
+job (`loraplex up &`: SIGINT ignored), the harder case: `serve run` used to inherit the ignored SIGINT,
+and SIGTERM to `up` then stopped nothing."""
 
 import os
 import re
@@ -12,10 +14,13 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
 from tests.app.conftest import free_port
+from tests.app.test_up_stops import ignore_sigint
+from tests.processes import gone_within
 
 ROOT = Path(__file__).resolve().parents[2]
 # What stopping and starting used to print that no operator acts on: torchao's CUDA extension lines and
@@ -33,7 +38,7 @@ def test_loraplex_up_serves_with_the_printed_key(tmp_path: Path) -> None:
     loraplex = Path(sys.executable).parent / "loraplex"
     log = (tmp_path / "up.log").open("w")
     process = subprocess.Popen([str(loraplex), "up", "--port", str(port)], cwd=tmp_path, env=env,
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                               stdout=log, stderr=subprocess.STDOUT, preexec_fn=ignore_sigint)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
@@ -66,8 +71,11 @@ def test_loraplex_up_serves_with_the_printed_key(tmp_path: Path) -> None:
         assert (tmp_path / "var" / "models" / "demo-llama" / "config.json").exists()
         bad = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer sk-lp-nope"})
         assert bad.status_code == 401
+        tree = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]  # serve run, Ray
+        assert len(tree) > 3, tree
         process.send_signal(signal.SIGTERM)  # as an operator's `kill`, or a service manager, stops it
         assert process.wait(timeout=90) == 0, (tmp_path / "up.log").read_text()[-3000:]
+        assert gone_within(tree, 30) == [], "processes of `serve run` outlived `up`"
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)  # `serve run` gets SIGINT when its parent dies

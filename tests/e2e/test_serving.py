@@ -3,8 +3,10 @@
 import json
 import socket
 import time
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
@@ -139,13 +141,49 @@ def test_client_disconnect_aborts_on_the_engine_replica(serve_app: ServeApp, key
         seen = 0
         for line in response.iter_lines():
             if line.startswith("data: "):
-                assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
+                event = json.loads(line[6:])
+                assert event["choices"][0]["finish_reason"] is None
                 seen += 1
             if seen == 3:
                 break
     after = wait_until_freed(serve_app, time.monotonic())
     assert after.aborts == before.aborts + 1  # the replica aborted it; it did not run to the end unseen
     assert 3 <= after.generated_tokens - before.generated_tokens < max_tokens // 4
+    # The ingress logs a client that left as one ordinary line; before: an ERROR with Serve's
+    # TaskCancelledError traceback ("error after the response started").
+    lines = ingress_log_lines(event["id"], "client disconnected")
+    assert [line for line in lines if "client disconnected" in line and line.startswith("INFO")], lines
+    assert not [line for line in lines if "ERROR" in line], lines
+
+
+def ingress_log_lines(request_id: str, awaited: str, timeout: float = 30) -> list[str]:
+    """The ingress replicas' log lines that carry `request_id`, once one of them contains `awaited`."""
+    from ray.serve._private.logging_utils import get_serve_logs_dir
+
+    logs = Path(get_serve_logs_dir())
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [
+            line
+            for path in logs.glob("replica_*ingress*.log")
+            for line in path.read_text(errors="replace").splitlines()
+            if request_id in line
+        ]
+        if any(awaited in line for line in lines):
+            return lines
+        assert time.monotonic() < deadline, f"no {awaited!r} line for {request_id} in {logs}: {lines}"
+        time.sleep(0.5)
+
+
+def test_engine_replicas_hold_neither_the_admin_key_nor_the_key_secret(serve_app: ServeApp) -> None:
+    """This one node's environment has both (the ingress needs them); its engine replicas have them blank."""
+    engines, ingress = replica_processes(serve_app, "engine-"), replica_processes(serve_app, "ingress")
+    assert len(engines) == 2 and len(ingress) == 1
+    assert ingress[0].environ()["LORAPLEX_ADMIN_KEY"] == ADMIN_KEY
+    for engine in engines:
+        environ = engine.environ()
+        assert environ["LORAPLEX_ADMIN_KEY"] == "" and environ.get("LORAPLEX_KEY_SECRET", "") == ""
+        assert environ["LORAPLEX_DATABASE_URL"] == serve_app.database_url  # what it does need
 
 
 def test_cancelling_through_the_serve_handle_aborts_on_the_replica(serve_app: ServeApp) -> None:
@@ -206,3 +244,17 @@ def test_the_admin_api_is_on_its_own_listener_only(serve_app: ServeApp) -> None:
     headers = {"authorization": f"Bearer {ADMIN_KEY}"}
     assert httpx.get(f"{serve_app.url}/admin/tenants", headers=headers).status_code == 404
     assert httpx.get(f"{serve_app.admin_url}/admin/tenants", headers=headers).status_code == 200
+
+
+def replica_processes(serve_app: ServeApp, deployment: str) -> list[psutil.Process]:
+    """This app's replica processes of a deployment (a name prefix), by the title Ray gives them."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if not any(f"ServeReplica:loraplex:{deployment}" in part for part in proc.info["cmdline"] or []):
+            continue
+        try:
+            if proc.environ().get("LORAPLEX_DATA_DIR") == str(serve_app.data_dir):
+                found.append(proc)
+        except psutil.Error:  # another user's, or gone meanwhile: not this app's
+            continue
+    return found

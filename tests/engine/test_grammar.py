@@ -11,16 +11,20 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.grammar_libraries import is_compact
+from deployments.engine import grammar as grammar_module
 from deployments.engine.errors import InvalidRequest
 from deployments.engine.grammar import (
     MAX_ALTERNATIVES,
     MAX_ERROR_CHARS,
+    MAX_OPTIONAL_RUN,
     CompiledGrammar,
     GrammarCompiler,
     GrammarMatcher,
+    GrammarRefused,
     apply_bitmask,
     new_bitmask,
 )
+from deployments.engine.grammar_cache import GrammarCache
 from deployments.engine.sampling_params import MAX_SCHEMA_CHARS, StructuredOutput
 from tests.model_fixtures import TinySetup
 
@@ -291,3 +295,119 @@ def test_apply_bitmask_masks_what_the_bits_and_the_padding_say() -> None:
     narrow = torch.zeros(1, 40)  # narrower than the mask: only its own columns are touched
     apply_bitmask(narrow, new_bitmask(1, 40))
     assert torch.isfinite(narrow).all()
+
+
+def optional_properties(count: int, prefix: str = "p", **extra: Any) -> dict[str, Any]:
+    properties = {f"{prefix}{i}": {"type": "integer"} for i in range(count)}
+    return {"type": "object", "properties": properties, **extra}
+
+
+def test_an_object_opened_by_too_many_optional_properties_is_refused_when_compiled(
+    compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    # The library fails a request at the object's "{" from 499 optional properties on (a row of 4k + 7
+    # items past its 2000): refused here instead, wherever the object is.
+    largest = compiler.compile(spec(optional_properties(MAX_OPTIONAL_RUN)))
+    assert fed(largest, tokenizer, '{"p0":1,"p497":2}')  # the bound is the library's, not tighter
+    nested = {"type": "object", "properties": {"a": optional_properties(MAX_OPTIONAL_RUN + 1)}}
+    for schema in (optional_properties(MAX_OPTIONAL_RUN + 1), nested, {"type": "array", "items": nested}):
+        with pytest.raises(GrammarRefused, match="first 499 properties are optional") as refused:
+            compiler.compile(spec(schema, param="tools"))
+        assert refused.value.param == "tools" and refused.value.reason == "schema"
+    # A required property ends the run: what comes after it opens nothing at "{".
+    compiler.compile(spec(optional_properties(MAX_ALTERNATIVES, required=["p0"])))
+    compiler.compile(spec(optional_properties(MAX_ALTERNATIVES, required=[f"p{MAX_OPTIONAL_RUN}"])))
+
+
+def test_a_grammar_the_library_would_fail_at_its_first_token_is_refused_when_compiled(
+    compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two objects of 300 optional properties each pass the width checks, but an anyOf of them opens
+    # 2414 items at "{": the probe of the first token finds what only the library knows.
+    two = {"anyOf": [optional_properties(300), optional_properties(300, "q")]}
+    for kw in ({}, {"begin": "<tool_call>", "end": "</tool_call>", "repeat": True}):
+        with pytest.raises(GrammarRefused, match="opens 2414 alternatives at once") as refused:
+            compiler.compile(spec(two, param="response_format", **kw))
+        assert refused.value.param == "response_format" and "left-recursive" not in str(refused.value)
+    # The probe alone, with the structural bound out of the way, refuses one optional property too many.
+    monkeypatch.setattr(grammar_module, "MAX_OPTIONAL_RUN", 10_000)
+    with pytest.raises(GrammarRefused, match="opens 2003 alternatives"):
+        compiler.compile(spec(optional_properties(MAX_OPTIONAL_RUN + 1, description="not cached")))
+    one_less = compiler.compile(spec(optional_properties(MAX_OPTIONAL_RUN, description="not cached")))
+    assert fed(one_less, tokenizer, '{"p1":1}')
+
+
+def test_a_refusal_holds_for_its_ttl_for_its_tenant_only_then_the_schema_compiles(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    now = [100.0]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], clock=lambda: now[0])
+    slow = spec(TOOL, param="tools")
+    compiler.refuse(slow, "tenant-a", "the schema did not compile within 10 s; simplify it", ttl_s=60)
+    for _ in range(2):  # refused at once, again and again, without compiling: nothing is built
+        with pytest.raises(GrammarRefused, match="did not compile") as refused:
+            compiler.compile(slow, "tenant-a")
+        assert refused.value.reason == "timeout" and refused.value.param == "tools"
+    assert compiler.cache_len() == 1
+    assert compiler.compile(slow, "tenant-b") is not None  # another tenant's equal schema is its own
+    now[0] += 59.9
+    with pytest.raises(GrammarRefused):
+        compiler.lookup(slow, "tenant-a")
+    now[0] += 0.2  # past the TTL: the schema compiles and is served from the cache
+    compiled = compiler.compile(slow, "tenant-a")
+    assert compiler.lookup(slow, "tenant-a") is compiled
+    # A schema refused for what it is stays refused: no TTL.
+    with pytest.raises(GrammarRefused) as forever:
+        compiler.compile(spec('{"type": "bogus"}'), "tenant-a")
+    assert forever.value.reason == "schema"
+    now[0] += 10**6
+    with pytest.raises(GrammarRefused):
+        compiler.lookup(spec('{"type": "bogus"}'), "tenant-a")
+
+
+def test_a_compile_that_ends_during_its_refusal_does_not_lift_it(tokenizer: PreTrainedTokenizerBase) -> None:
+    now = [0.0]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], clock=lambda: now[0])
+    slow = spec(TOOL)
+    built = compiler._build(slow)  # a compile that was running when its bound passed...
+    compiler.refuse(slow, "a", "too slow", ttl_s=60)
+    assert compiler._cache.put("a", compiler.key(slow), built) is not built  # ...ends: the refusal stays
+    with pytest.raises(GrammarRefused, match="too slow"):
+        compiler.lookup(slow, "a")
+
+
+def test_a_tenant_cycling_schemas_never_evicts_another_tenants_grammars(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_size=64)
+    kept = [compiler.compile(spec(schema), "tenant-b") for schema in SCHEMAS[:3]]
+    for i in range(1000):
+        compiler.compile(spec({"type": "integer", "minimum": i}), "tenant-a")
+    assert compiler.cache_len() <= 64 and compiler._cache.held_by("tenant-a") == 32
+    assert [compiler.lookup(spec(schema), "tenant-b") for schema in SCHEMAS[:3]] == kept
+
+
+def test_the_cache_gives_each_tenant_a_bounded_share_and_evicts_from_the_largest_holder() -> None:
+    cache: GrammarCache[int] = GrammarCache(size=10, share=4)
+    for i in range(2):
+        cache.put("small", i, i)
+    for i in range(100):  # one tenant cycling: only its own share churns
+        cache.put("cycler", i, i)
+    assert cache.held_by("cycler") == 4 and cache.held_by("small") == 2
+    for tenant in ("t1", "t2"):  # the cache fills: the largest holders give way, not the small one
+        for i in range(4):
+            cache.put(tenant, i, i)
+    assert len(cache) == 10 and cache.held_by("small") == 2
+    assert [cache.get("small", i) for i in range(2)] == [0, 1]
+    assert cache.held_by("cycler") == 2 and cache.get("cycler", 99) == 99  # its least recently used went
+    assert cache.put("small", 0, 42) == 0  # the first stored wins while it lives
+
+
+def test_an_expired_entry_is_gone_and_can_be_replaced() -> None:
+    now = [0.0]
+    cache: GrammarCache[str] = GrammarCache(size=4, share=4, clock=lambda: now[0])
+    cache.put(None, "k", "refused", ttl_s=5)
+    assert cache.put(None, "k", "grammar") == "refused"
+    now[0] = 5.0
+    assert cache.get(None, "k") is None and len(cache) == 0
+    assert cache.put(None, "k", "grammar") == "grammar"

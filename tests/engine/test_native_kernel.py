@@ -1,6 +1,7 @@
 """An engine start never waits on a kernel build: not on a lock a killed build left behind, not on a
 broken toolchain. It loads what is built, or runs the torch kernels and says how to build the native one."""
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -10,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from deployments.engine import native_kernel
+from tests.processes import gone_within, running
 
 ROOT = Path(__file__).resolve().parents[2]
 SELECT = (
@@ -82,15 +85,6 @@ def test_a_broken_toolchain_fails_the_build_quickly_and_leaves_nothing(tmp_path:
     assert run(SELECT, cache).returncode == 0  # and engines still start
 
 
-def running(pid: int) -> bool:
-    """Whether the process lives (a zombie no one has reaped yet counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
 def test_a_build_out_of_time_takes_the_compiler_it_started_down_with_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,3 +124,32 @@ def test_a_build_sweeps_what_builders_killed_outright_left_and_spares_live_ones(
     monkeypatch.setattr(sys, "executable", "/bin/false")  # a build that fails at once
     assert native_kernel.build(timeout_s=30) is None
     assert sorted(p.name for p in cache.iterdir()) == [".build-live"]
+
+
+def test_a_build_killed_outright_takes_its_compiler_down_with_it(tmp_path: Path) -> None:
+    """`loraplex kernels build` SIGKILLed mid-compile (an impatient operator, the OOM killer) cannot clean
+    up: the compiler it started used to run on, reparented to init. The real build, with a real compiler."""
+    loraplex = Path(sys.executable).parent / "loraplex"
+    env = {**os.environ, "LORAPLEX_KERNEL_CACHE": str(tmp_path / "kernels"), "PYTHONPATH": str(ROOT)}
+    build = subprocess.Popen([str(loraplex), "kernels", "build"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any(p.name() == "cc1plus" for p in tree):  # the compiler proper, under ninja and c++
+            assert build.poll() is None and time.monotonic() < deadline, "no compiler was started"
+            time.sleep(0.1)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                tree = psutil.Process(build.pid).children(recursive=True)
+        build.kill()
+        build.wait()
+        names = {p.pid: p.name() for p in tree}
+        alive = gone_within(list(names), 15)
+        assert alive == [], f"outlived the build: {[names[pid] for pid in alive]}"
+    finally:
+        if build.poll() is None:
+            build.kill()
+            build.wait()
+        for process in tree:  # not left behind by this test either
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()

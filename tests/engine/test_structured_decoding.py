@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from typing import Any
 
 import jsonschema
 import pytest
@@ -15,6 +16,7 @@ from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.grammar import CompiledGrammar
 from deployments.engine.interface import (
+    EngineOverloaded,
     EngineRequest,
     FinishReason,
     InvalidRequest,
@@ -129,16 +131,20 @@ def test_a_grammar_survives_preemption_and_a_prefix_hit(llama: TinySetup) -> Non
     engine.close()
 
 
+def make_async_engine(llama: TinySetup, **overrides: Any) -> AsyncEngine:
+    settings: dict[str, Any] = {
+        "model": llama.model_dir,
+        "dtype": "float32",
+        "adapter_store": llama.store_root,
+        "block_size": 4,
+        "num_kv_blocks": 256,
+    }
+    return AsyncEngine(EngineConfig(**{**settings, **overrides}))
+
+
 @pytest.fixture
 def async_engine(llama: TinySetup):
-    config = EngineConfig(
-        model=llama.model_dir,
-        dtype="float32",
-        adapter_store=llama.store_root,
-        block_size=4,
-        num_kv_blocks=256,
-    )
-    engine = AsyncEngine(config)
+    engine = make_async_engine(llama)
     yield engine
     engine.shutdown()
 
@@ -162,23 +168,15 @@ async def test_a_schema_that_cannot_be_enforced_is_refused_before_any_output(
 async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
     llama: TinySetup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = EngineConfig(
-        model=llama.model_dir,
-        dtype="float32",
-        adapter_store=llama.store_root,
-        block_size=4,
-        num_kv_blocks=256,
-        grammar_compile_timeout_s=0.3,
-    )
-    engine = AsyncEngine(config)
+    engine = make_async_engine(llama, grammar_compile_timeout_s=0.3)
     compile_threads: list[str] = []
     compile = engine.engine.grammars.compile
 
-    def slow(spec: StructuredOutput) -> CompiledGrammar:
+    def slow(spec: StructuredOutput, tenant: str | None = None) -> CompiledGrammar:
         compile_threads.append(threading.current_thread().name)
         if "slow" in spec.json_schema:
             time.sleep(1.0)
-        return compile(spec)
+        return compile(spec, tenant)
 
     monkeypatch.setattr(engine.engine.grammars, "compile", slow)
     try:
@@ -186,7 +184,9 @@ async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
         slow_spec = StructuredOutput('{"type": "object", "description": "slow"}')
         started = time.monotonic()
         results = await asyncio.gather(
-            _collect(engine, EngineRequest("slow", [1, 2], SamplingParams(structured=slow_spec))),
+            _collect(  # another tenant's: one tenant compiles on one grammar thread at a time
+                engine, EngineRequest("slow", [1, 2], SamplingParams(structured=slow_spec), tenant="a")
+            ),
             _collect(engine, EngineRequest("free", [3, 4], free)),
             return_exceptions=True,
         )
@@ -201,3 +201,107 @@ async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
         assert compile_threads and all(name.startswith("grammar") for name in compile_threads)
     finally:
         engine.shutdown()
+
+
+WAIT_S = 20.0  # how long a held compile waits for its release: reached only when a test fails
+
+
+class HeldCompiles:
+    """Wraps an engine's compiler: a schema whose description starts with "held" compiles only once
+    `release` is set; records which (tenant, schema) compiles began and which ended."""
+
+    def __init__(self, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        self.began: list[tuple[str | None, str]] = []
+        self.ended: list[tuple[str | None, str]] = []
+        compile = engine.engine.grammars.compile
+
+        def held(spec: StructuredOutput, tenant: str | None = None) -> CompiledGrammar:
+            self.began.append((tenant, spec.json_schema))
+            if '"held' in spec.json_schema:
+                self.release.wait(WAIT_S)
+            try:
+                return compile(spec, tenant)
+            finally:
+                self.ended.append((tenant, spec.json_schema))
+
+        monkeypatch.setattr(engine.engine.grammars, "compile", held)
+
+    async def until_began(self, count: int) -> None:
+        for _ in range(int(WAIT_S / 0.01)):
+            if len(self.began) >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{count} compiles never began: {self.began}")
+
+
+def held(name: str) -> StructuredOutput:
+    return StructuredOutput(json.dumps({"type": "object", "description": f"held {name}"}))
+
+
+def structured(rid: str, spec: StructuredOutput, tenant: str) -> EngineRequest:
+    return EngineRequest(rid, [1, 2], SamplingParams(max_tokens=4, structured=spec), tenant=tenant)
+
+
+@pytest.fixture
+def bounded_engine(llama: TinySetup):
+    engine = make_async_engine(llama, grammar_compile_timeout_s=1.0, grammar_compile_queue=4)  # share: 1
+    yield engine
+    engine.shutdown()
+
+
+async def test_the_wait_for_a_grammar_thread_counts_against_the_bound(
+    bounded_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, compiles = bounded_engine, HeldCompiles(bounded_engine, monkeypatch)
+    try:
+        holding = [
+            asyncio.create_task(_collect(engine, structured(f"h{i}", held(str(i)), f"t{i}"))) for i in (0, 1)
+        ]
+        await compiles.until_began(2)  # both grammar threads are held from here
+        quick = StructuredOutput('{"type": "integer"}')
+        with pytest.raises(EngineOverloaded):  # its bound passed in the queue: refused, never compiled
+            await _collect(engine, structured("q", quick, "t2"))
+        assert not compiles.release.is_set() and len(compiles.began) == 2
+        for task in holding:  # these had started: their schemas are refused (400) ...
+            with pytest.raises(InvalidRequest, match="did not compile within 1 s") as refused:
+                await task
+            assert refused.value.param == "response_format"
+        with pytest.raises(InvalidRequest, match="did not compile within 1 s"):  # ... and stay refused
+            await _collect(engine, structured("h0-again", held("0"), "t0"))
+        assert len(compiles.began) == 2  # refused at once, without a compile
+        compiles.release.set()
+        outs = await _collect(engine, structured("q-again", quick, "t2"))
+        assert outs[-1].finished
+        stats = await engine.call(lambda e: e.stats())
+        assert stats.grammar_refusals == {"busy": 1, "timeout": 3}
+    finally:
+        compiles.release.set()
+
+
+async def test_one_tenants_compiles_never_make_anothers_wait_or_time_out(
+    bounded_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, compiles = bounded_engine, HeldCompiles(bounded_engine, monkeypatch)
+    try:
+        cycling = asyncio.create_task(_collect(engine, structured("a0", held("a0"), "a")))
+        await compiles.until_began(1)
+        for i in (1, 2):  # the tenant's share of the queue is full: refused at once, not queued
+            with pytest.raises(EngineOverloaded):
+                await _collect(engine, structured(f"a{i}", held(f"a{i}"), "a"))
+        # The other thread is never the cycling tenant's: b's compile runs now, beside a's held one.
+        outs = await _collect(engine, structured("b", StructuredOutput('{"type": "integer"}'), "b"))
+        assert outs[-1].finished and compiles.ended == [("b", '{"type": "integer"}')]
+        # A long queue refuses at once too: c's held compile takes the free thread, four tenants queue.
+        others = [asyncio.create_task(_collect(engine, structured(t, held(t), t))) for t in "cdefg"]
+        await compiles.until_began(3)
+        with pytest.raises(EngineOverloaded):
+            await _collect(engine, structured("h", held("h"), "h"))
+        assert not compiles.release.is_set()
+        compiles.release.set()
+        for task in [cycling, *others]:  # they had waited past their bound, or compiled in time
+            await asyncio.gather(task, return_exceptions=True)
+        stats = await engine.call(lambda e: e.stats())
+        assert stats.grammar_refusals["busy"] >= 3
+    finally:
+        compiles.release.set()
