@@ -160,6 +160,26 @@ def _check(
         raise ValueError("q, the caches and block_tables need a contiguous last dimension")
 
 
+def launch_config(group: int, dim: int, block_m: int | None, block_n: int | None) -> dict[str, int]:
+    """The kernel's shape constants and warps for G query heads per kv head and head_dim `dim` (None: the
+    defaults). 64 rows (8 queries x 8 heads on bench-1b) and 64 keys a step: 132 registers and no spills
+    for sm90 in bf16 (tests/engine/sm90_compile_attention.py); a guess for speed until bench --sweep runs."""
+    if block_m is None:
+        block_m = max(64, next_power_of_2(group))
+    if block_n is None:
+        block_n = 64
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
+    if block_m < group:
+        raise ValueError(f"block_m {block_m} must hold a kv head's {group} query heads")
+    d_pad = max(16, next_power_of_2(dim))
+    return {
+        "G": group, "BLOCK_Q": block_m // group, "BLOCK_M": block_m, "D": dim, "D_PAD": d_pad,
+        "BLOCK_N": block_n, "num_warps": 4 if block_m * d_pad <= 64 * 64 else 8,  # 8 from 128 x 64 up
+    }  # fmt: skip
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, H, D], any row strides
     k_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]
@@ -195,17 +215,8 @@ def paged_prefill_attention(
     chunks = query_start.shape[0]
     if tokens == 0 or chunks == 0:
         return out
-    if block_m is None:  # 64 rows: 8 queries x 8 heads on bench-1b; a guess until measured (bench --sweep)
-        block_m = max(64, next_power_of_2(group))
-    if block_n is None:
-        block_n = 64
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
-    if block_m < group:
-        raise ValueError(f"block_m {block_m} must hold a kv head's {group} query heads")
-    block_q = block_m // group
-    d_pad = max(16, next_power_of_2(dim))
+    config = launch_config(group, dim, block_m, block_n)
+    block_q = config["BLOCK_Q"]
     # chunk c's last tile is query_start[c] // block_q + c + cdiv(query_len[c], block_q) - 1, at most
     # cdiv(query_start[c] + query_len[c], block_q) + c - 1 <= cdiv(T, block_q) + N - 2
     grid = (cdiv(tokens, block_q) + chunks - 1, kv_heads)
@@ -214,8 +225,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         scale * LOG2E, 0 if sliding_window is None else sliding_window,
-        G=group, BLOCK_Q=block_q, BLOCK_M=block_m, D=dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, SCAN_C=SCAN,
-        PRECISION=dot_precision(q.dtype), num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
+        **config, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, SCAN_C=SCAN,
+        PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out
