@@ -4,13 +4,13 @@ One decode step's calls of one layer of bench-1b (TinyLlama-1.1B's shape: hidden
 head_dim 64, intermediate 5632) at batch 32 with 16 rank-16 adapters, each kernel against its torch peer:
   attention:   paged_decode_attention (split-K chosen from the shapes, and unsplit) vs the engine's decode
                path today (whole blocks gathered out of the cache, masked SDPA), per context length;
-  prefill:     one layer's attention of a prefill step of --prompts prompts of 96-160 tokens through
-               attention.attend: paged_prefill_attention (every chunk in one launch) vs the split path (one
-               SDPA call per prompt); `prefill_cached`: the same chunks after a 256-token cached prefix
-               (the split path then also gathers each span's blocks and builds its mask); and
-               `decode_rows`: the batch's decode rows at the first --contexts length as chunks of one
-               token in the prefill kernel (how a mixed step runs them) vs the decode kernel
-               (`ours_decode_kernel`), both against the split path's gathered SDPA;
+  attention_prefill: one layer's attention of a prefill step of --prompts prompts of 96-160 tokens
+               through attention.attend: paged_prefill_attention (every chunk in one launch) vs the split
+               path (one SDPA call per prompt); `attention_prefill_cached`: the same chunks after a
+               256-token cached prefix (the split path then also gathers each span's blocks and builds its
+               mask); `attention_decode_rows`: the batch's decode rows at the first --contexts length as
+               chunks of one token in the prefill kernel (how a mixed step runs them) and through the
+               decode kernel (`ours_decode_kernel`), both against the split path's gathered SDPA;
   rotary:      rotary_and_cache vs HF apply_rotary_pos_emb + the two cache index_copy_ calls;
   rms_norm:    the fused residual add + RMSNorm vs HF's (residual + x, LlamaRMSNorm);
   silu_mul:    silu_and_mul vs F.silu(gate) * up;
@@ -424,9 +424,9 @@ def main() -> None:
     cached = 8 if args.tiny else 256
     groups: dict[str, dict[str, Callable[[], object]]] = {
         **{f"attention_ctx{c}": attention_peers(s, c, dtype, device) for c in contexts},
-        "prefill": prefill_peers(s, lengths, 0, dtype, device),
-        "prefill_cached": prefill_peers(s, lengths, cached, dtype, device),
-        "decode_rows": prefill_peers(s, [1] * s.batch, contexts[0] - 1, dtype, device),
+        "attention_prefill": prefill_peers(s, lengths, 0, dtype, device),
+        "attention_prefill_cached": prefill_peers(s, lengths, cached, dtype, device),
+        "attention_decode_rows": prefill_peers(s, [1] * s.batch, contexts[0] - 1, dtype, device),
         "rotary": rotary_peers(s, dtype, device),
         "rms_norm": rms_norm_peers(s, dtype, device),
         "silu_mul": silu_peers(s, dtype, device),
