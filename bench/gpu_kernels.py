@@ -4,6 +4,13 @@ One decode step's calls of one layer of bench-1b (TinyLlama-1.1B's shape: hidden
 head_dim 64, intermediate 5632) at batch 32 with 16 rank-16 adapters, each kernel against its torch peer:
   attention:   paged_decode_attention (split-K chosen from the shapes, and unsplit) vs the engine's decode
                path today (whole blocks gathered out of the cache, masked SDPA), per context length;
+  attention_prefill: one layer's attention of a prefill step of --prompts prompts of 96-160 tokens
+               through attention.attend: paged_prefill_attention (every chunk in one launch) vs the split
+               path (one SDPA call per prompt); `attention_prefill_cached`: the same chunks after a
+               256-token cached prefix (the split path then also gathers each span's blocks and builds its
+               mask); `attention_decode_rows`: the batch's decode rows at the first --contexts length as
+               chunks of one token in the prefill kernel (how a mixed step runs them) and through the
+               decode kernel (`ours_decode_kernel`), both against the split path's gathered SDPA;
   rotary:      rotary_and_cache vs HF apply_rotary_pos_emb + the two cache index_copy_ calls;
   rms_norm:    the fused residual add + RMSNorm vs HF's (residual + x, LlamaRMSNorm);
   silu_mul:    silu_and_mul vs F.silu(gate) * up;
@@ -40,7 +47,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, cast
 
@@ -141,6 +148,57 @@ def attention_peers(
         "ours_unsplit": partial(run, partitions=1),
         "ours_split2": partial(run, partitions=2),
     }
+
+
+def prefill_peers(
+    s: Shape, lengths: list[int], cached: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Callable[[], object]]:
+    """One layer's attention over chunks of `lengths` new tokens, each after `cached` cached positions, as
+    attention.attend runs it: split (TorchOps: decode rows batched, one SDPA call per span) and as chunks
+    (TritonOps: one launch). Chunks of one token are decode rows."""
+    from deployments.engine.attention import AttentionMetadata, PrefillSpan, StepChunks, attend
+    from deployments.engine.gpu_kernels.paged_attention import paged_decode_attention
+    from deployments.engine.gpu_kernels.prefill_attention import paged_prefill_attention
+
+    bs, n = s.block_size, len(lengths)
+    width = -(-(cached + max(lengths)) // bs)
+    t = sum(lengths)
+    starts = [sum(lengths[:i]) for i in range(n)]
+    qkv = torch.randn(t, (s.heads + 2 * s.kv_heads) * s.head_dim, dtype=dtype, device=device)
+    q = qkv[:, : s.heads * s.head_dim].view(t, s.heads, s.head_dim)
+    k_new = qkv[:, s.heads * s.head_dim : (s.heads + s.kv_heads) * s.head_dim].view(t, s.kv_heads, s.head_dim)
+    v_new = qkv[:, (s.heads + s.kv_heads) * s.head_dim :].view(t, s.kv_heads, s.head_dim)
+    k_cache = torch.randn(n * width * bs, s.kv_heads, s.head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(n * width, device=device).view(n, width)
+    column = partial(torch.tensor, dtype=torch.int64, device=device)
+    decode = [i for i in range(n) if lengths[i] == 1]
+    split = AttentionMetadata(
+        kv_caches=[], block_size=bs, slot_mapping=column(range(t)),
+        decode_token_index=column([starts[i] for i in decode]) if decode else None,
+        decode_block_table=tables[decode] if decode else None,
+        decode_context_lens=column([cached + 1] * len(decode)) if decode else None,
+        prefills=[
+            PrefillSpan(starts[i], lengths[i], cached + lengths[i],
+                        tables[i, : -(-(cached + lengths[i]) // bs)] if cached else None)
+            for i in range(n) if lengths[i] > 1
+        ],
+        all_decode=len(decode) == n, decode_width=width,
+    )  # fmt: skip
+    chunks = StepChunks(
+        query_start=column(starts), query_len=column(lengths),
+        context_len=column([cached + m for m in lengths]), block_tables=tables,
+    )  # fmt: skip
+    as_chunks = replace(split, chunks=chunks)
+    scale = s.head_dim**-0.5
+    run = partial(attend, q, k_new, v_new, k_cache, v_cache, scale=scale, window=None)
+    peers: dict[str, Callable[[], object]] = {
+        "torch": partial(run, split),  # the mask cache (_masks) persists: as within one step's layers
+        "ours": partial(run, as_chunks, paged_prefill=paged_prefill_attention),
+    }
+    if len(decode) == n:
+        peers["ours_decode_kernel"] = partial(run, split, paged=paged_decode_attention)
+    return peers
 
 
 def rotary_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Callable[[], object]]:
@@ -370,6 +428,7 @@ def nf4_groups(
 def sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
     """Graph-replayed microseconds of each kernel knob setting: what the defaults were chosen from."""
     from deployments.engine.gpu_kernels.awq_gemm import awq_linear
+    from deployments.engine.gpu_kernels.prefill_attention import paged_prefill_attention
 
     device = torch.device("cuda")
     found: dict[str, dict[str, float]] = {}
@@ -384,6 +443,19 @@ def sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
                     if replay is not None:
                         row[f"n{block_n}_p{parts}"] = round(graph_timer(replay, 20), 1)
             print(f"attention B={batch} ctx={context}", row, flush=True)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(96, 161, (32,), generator=gen).tolist()
+    for cached in (0, 256):
+        peers = prefill_peers(s, lengths, cached, dtype, device)
+        as_chunks = cast(Callable[..., object], peers["ours"])  # a partial of attention.attend
+        row = found[f"prefill_cached{cached}"] = {}
+        for block_m in (32, 64, 128):
+            for block_n in (32, 64, 128):
+                knobs = partial(paged_prefill_attention, block_m=block_m, block_n=block_n)
+                replay = graphed(partial(as_chunks, paged_prefill=knobs), 20)
+                if replay is not None:
+                    row[f"m{block_m}_n{block_n}"] = round(graph_timer(replay, 20), 1)
+        print(f"prefill cached={cached}", row, flush=True)
     group = 128
     for m, k, n in (
         (8, s.hidden, s.hidden),
@@ -503,6 +575,7 @@ def main() -> None:
     )
     parser.add_argument("--contexts", default="1024,4096", help="comma-separated decode context lengths")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--prompts", type=int, default=32, help="prompts in the prefill step")
     parser.add_argument("--repeats", type=int, default=7, help="rounds of every peer")
     parser.add_argument("--iters", type=int, default=50, help="calls per timed sample")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, one round: checks the bench runs")
@@ -550,8 +623,16 @@ def main() -> None:
     repeats, iters = (1, 1) if args.tiny else (args.repeats, args.iters)
     torch.manual_seed(0)
     s = shape
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(96, 161, (args.prompts,), generator=gen).tolist()
+    if args.tiny:  # the interpreter runs each program in Python
+        lengths = [5, 9][: args.prompts]
+    cached = 8 if args.tiny else 256
     groups: dict[str, dict[str, Callable[[], object]]] = {
         **{f"attention_ctx{c}": attention_peers(s, c, dtype, device) for c in contexts},
+        "attention_prefill": prefill_peers(s, lengths, 0, dtype, device),
+        "attention_prefill_cached": prefill_peers(s, lengths, cached, dtype, device),
+        "attention_decode_rows": prefill_peers(s, [1] * s.batch, contexts[0] - 1, dtype, device),
         "rotary": rotary_peers(s, dtype, device),
         "rms_norm": rms_norm_peers(s, dtype, device),
         "silu_mul": silu_peers(s, dtype, device),
@@ -598,7 +679,8 @@ def main() -> None:
         print(name, kernels[name], flush=True)
     lora_layer_us = layer_lora_us(kernels, kept)
     result.update(
-        dtype=str(dtype).removeprefix("torch."), shape=vars(s), contexts=contexts, repeats=repeats,
+        dtype=str(dtype).removeprefix("torch."), shape=vars(s), contexts=contexts, prompt_lengths=lengths,
+        prefill_cached=cached, repeats=repeats,
         iters=iters, kernels_us=kernels, ratios=ratios, ratios_eager=ratios_eager,
         lora_fused_vs_pair=fused_vs_pair, lora_layer_us=lora_layer_us,
         machine=machine(str(dtype).removeprefix("torch.")),

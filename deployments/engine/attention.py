@@ -6,6 +6,9 @@ The new K/V go into the engine's paged cache first; then each request attends ov
   or SDPA over K/V gathered from their blocks, padded to the widest context and masked (CPU);
 - prefill chunks one SDPA call each, with a bottom-right-aligned causal mask (SDPA's is_causal is
   top-left aligned, wrong once cached tokens precede the chunk).
+With a paged prefill kernel (CUDA) a step that is not pure decode instead describes every sequence as one
+chunk (`StepChunks`; a decode row is a chunk of one token) and attends in one launch per layer, reading the
+block tables directly: no per-span call, mask or gather, whatever the number of prompts.
 Models our forward does not cover run HF's modules, which reach `paged_attention` through transformers'
 AttentionInterface with the step metadata as a kwarg.
 """
@@ -32,6 +35,16 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class StepChunks:
+    """Every sequence of a step as one chunk of the packed batch (views of the step's device buffer)."""
+
+    query_start: torch.Tensor  # [N] first row of each chunk, ascending
+    query_len: torch.Tensor  # [N] new tokens (1 for a decode row)
+    context_len: torch.Tensor  # [N] cached + new
+    block_tables: torch.Tensor  # [N, W] block ids; columns past a context's blocks are stale, never read
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [num_blocks * block_size, Hkv, D]
     block_size: int
@@ -42,6 +55,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     all_decode: bool = False  # every token is a decode row, in order (decode_token_index is then None)
     decode_width: int = 0  # table columns a gathered context needs (host-known; the CPU path's width)
+    chunks: StepChunks | None = (
+        None  # set instead of the decode and prefill fields for a paged prefill kernel
+    )
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
 
     def forget_masks(self) -> None:
@@ -113,9 +129,30 @@ def attend(
     scale: float | None,
     window: int | None,
     paged: "PagedDecode | None" = None,
+    paged_prefill: "PagedPrefill | None" = None,
 ) -> torch.Tensor:
-    """Each token attends over its own sequence's context: decode rows in one batched call (a paged kernel
-    when `paged` is given, else SDPA over gathered contexts), each prefill chunk in its own SDPA call."""
+    """Each token attends over its own sequence's context: every chunk in one launch of `paged_prefill` when
+    the step was built as chunks; otherwise decode rows in one batched call (a paged kernel when `paged` is
+    given, else SDPA over gathered contexts) and each prefill chunk in its own SDPA call."""
+    if meta.chunks is not None:
+        if paged_prefill is None:
+            raise RuntimeError("the step was built as chunks for a paged prefill kernel the forward lacks")
+        chunks = meta.chunks
+        out = torch.empty_like(q)
+        paged_prefill(
+            q,
+            k_cache,
+            v_cache,
+            query_start=chunks.query_start,
+            query_len=chunks.query_len,
+            context_len=chunks.context_len,
+            block_tables=chunks.block_tables,
+            block_size=meta.block_size,
+            scale=q.shape[-1] ** -0.5 if scale is None else scale,
+            sliding_window=window,
+            out=out,
+        )
+        return out
     if meta.all_decode:
         return decode_attention(q, k_cache, v_cache, meta, scale=scale, window=window, paged=paged)
     out = torch.empty_like(q)  # [T, H, D]
@@ -150,6 +187,24 @@ class PagedDecode(Protocol):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         *,
+        block_size: int,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None: ...
+
+
+class PagedPrefill(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        query_start: torch.Tensor,
+        query_len: torch.Tensor,
+        context_len: torch.Tensor,
+        block_tables: torch.Tensor,
         block_size: int,
         scale: float,
         sliding_window: int | None,

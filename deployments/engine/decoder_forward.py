@@ -127,6 +127,7 @@ class DecoderForward:
         """Logits [N, V] in the model dtype for the kept rows (every row of a decode step)."""
         ops, meta, lora = self.ops, step.attention, step.lora
         paged = ops.paged_decode_attention if ops.paged_decode else None
+        paged_prefill = ops.paged_prefill_attention if ops.paged_prefill else None
         hidden = self.embed(step.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -144,8 +145,9 @@ class DecoderForward:
                 q, k, v, self.cos, self.sin, step.positions, step.slot_mapping, k_cache, v_cache
             )
             attn = attend(
-                q, k, v, k_cache, v_cache, meta, scale=layer.scale, window=layer.sliding_window, paged=paged
-            )
+                q, k, v, k_cache, v_cache, meta, scale=layer.scale, window=layer.sliding_window, paged=paged,
+                paged_prefill=paged_prefill,
+            )  # fmt: skip
             (hidden,) = layer.o(attn.reshape(t, -1), lora)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, layer.post_eps)
             if layer.gate_up.fused:  # gate and up are the two halves of one output: one kernel

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 class LayerOps(Protocol):
     name: str
     paged_decode: bool  # decode attention reads the block tables directly (no gathered context)
+    paged_prefill: bool  # a general step's chunks attend in one launch (the step is built as StepChunks)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -53,12 +54,29 @@ class LayerOps(Protocol):
         out: torch.Tensor,  # [B, H, D]
     ) -> None: ...
 
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        query_start: torch.Tensor,  # [N] int64: each chunk's rows in q ...
+        query_len: torch.Tensor,  # [N]
+        context_len: torch.Tensor,  # [N] ... are its last positions
+        block_tables: torch.Tensor,  # [N, W]
+        block_size: int,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,  # [T, H, D]
+    ) -> None: ...
+
 
 class TorchOps:
     """HF LlamaRMSNorm / apply_rotary_pos_emb / SiLU-gated MLP arithmetic, op for op."""
 
     name = "torch"
     paged_decode = False  # decode attention gathers each context and runs SDPA (attention.py)
+    paged_prefill = False  # one SDPA call per prefill span, the reference the kernel is tested against
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -109,6 +127,23 @@ class TorchOps:
     ) -> None:
         raise NotImplementedError("TorchOps gathers decode contexts (attention.decode_attention)")
 
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        query_start: torch.Tensor,
+        query_len: torch.Tensor,
+        context_len: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        raise NotImplementedError("TorchOps attends per prefill span (attention.attend)")
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -120,14 +155,22 @@ class TritonOps(TorchOps):
 
     name = "triton"
     paged_decode = True
+    paged_prefill = True
 
     def __init__(self) -> None:
-        from deployments.engine.gpu_kernels import activation, paged_attention, rms_norm, rotary_cache
+        from deployments.engine.gpu_kernels import (
+            activation,
+            paged_attention,
+            prefill_attention,
+            rms_norm,
+            rotary_cache,
+        )
 
         self._rms = rms_norm
         self._rotary = rotary_cache
         self._act = activation
         self._attn = paged_attention
+        self._prefill = prefill_attention
         self._tables: dict[int, torch.Tensor] = {}  # id(cos) -> the kernel's [max_pos, 2, D] cos/sin table
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -182,6 +225,35 @@ class TritonOps(TorchOps):
             v_cache,
             block_tables,
             context_lens,
+            block_size=block_size,
+            scale=scale,
+            sliding_window=sliding_window,
+            out=out,
+        )
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        query_start: torch.Tensor,
+        query_len: torch.Tensor,
+        context_len: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        self._prefill.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            query_start=query_start,
+            query_len=query_len,
+            context_len=context_len,
+            block_tables=block_tables,
             block_size=block_size,
             scale=scale,
             sliding_window=sliding_window,

@@ -36,6 +36,8 @@ class ModelRunner:
         self.device = loaded.device
         self.kv_cache = kv_cache
         self.lora_context: LoRAContext = loaded.lora_context
+        reason = unsupported_reason(loaded.model)
+        ops = layer_ops_for(self.device) if reason is None else None
         self.inputs = StepInputsBuilder(
             kv_cache,
             device=self.device,
@@ -43,12 +45,11 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             max_loras=max_loras,
+            chunked=ops is not None and ops.paged_prefill,  # one attention launch per layer for any step
         )
         cuda = self.device.type == "cuda"
-        reason = unsupported_reason(loaded.model)
         self.forward: DecoderForward | HFForward
-        if reason is None:
-            ops = layer_ops_for(self.device)
+        if ops is not None:
             triton = ops.name == "triton"  # fused groups pay off with the Triton LoRA kernels (CUDA)
             self.forward = DecoderForward(
                 loaded.model,

@@ -1,9 +1,10 @@
 """StepInputs: one step's tensors, built on the host in one pinned buffer and copied to the device once.
 
 Every index the forward reads (token ids, positions, KV slots, logits rows, decode block tables and context
-lengths, prefill block lists, LoRA segment ends) is written with numpy into one int64 host buffer, laid out
-back to back, and moved with a single non-blocking copy; the forward sees views of the device twin. Nothing
-in the forward reads a value back to the host.
+lengths, prefill block lists, LoRA segment ends; or, for a forward with a paged prefill kernel, every
+sequence's chunk: first row, length, context length, block table) is written with numpy into one int64
+host buffer, laid out back to back, and moved with a single non-blocking copy; the forward sees views of
+the device twin. Nothing in the forward reads a value back to the host.
 
 Pure-decode steps of up to `max_num_seqs` sequences instead use a fixed layout per batch bucket (1, 2, 4, 8,
 ...): the same views at the same device addresses every step, which is what a captured CUDA graph replays.
@@ -11,13 +12,14 @@ Bucket rows beyond the batch are padding: they read token 0 at position 0, write
 sink slot (never allocated to a sequence) and attend only to it; their logits are dropped.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from deployments.engine.attention import AttentionMetadata, PrefillSpan
+from deployments.engine.attention import AttentionMetadata, PrefillSpan, StepChunks
 from deployments.engine.kv_cache import KVCache
 from deployments.engine.logprobs import prompt_positions
 from deployments.engine.lora_kernels import LoRABatch
@@ -49,6 +51,23 @@ def is_pure_decode(scheduled: list[ScheduledSequence]) -> bool:
     return all(s.num_tokens == 1 and s.draws and not s.seq.collects_prompt_logprobs for s in scheduled)
 
 
+_View = Callable[[int, int], torch.Tensor]  # (offset, count) -> a view of the step's device buffer
+_AttentionViews = Callable[[_View, torch.Tensor], AttentionMetadata]  # (views, slot_mapping) -> metadata
+
+
+class _Layout:
+    """A general step's fields back to back in the host buffer: where each starts, and its numpy view."""
+
+    def __init__(self, host: npt.NDArray[np.int64]) -> None:
+        self.host = host
+        self.cursor = 0
+
+    def take(self, count: int) -> tuple[int, npt.NDArray[np.int64]]:
+        at = self.cursor
+        self.cursor += count
+        return at, self.host[at : self.cursor]
+
+
 class StepInputsBuilder:
     def __init__(
         self,
@@ -59,8 +78,12 @@ class StepInputsBuilder:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_loras: int,
+        chunked: bool = False,
     ) -> None:
+        """`chunked`: general steps describe every sequence as one chunk (StepChunks) for a forward whose
+        attention has a paged prefill kernel, instead of decode rows and prefill spans (the SDPA path)."""
         self.kv_cache = kv_cache
+        self.chunked = chunked
         self.device = device
         self.block_size = kv_cache.block_size
         self.max_loras = max_loras
@@ -68,9 +91,11 @@ class StepInputsBuilder:
         self.buckets = decode_buckets(max_num_seqs)
         tokens = max(max_num_batched_tokens, max_num_seqs)
         seqs = max_num_seqs
-        # General steps: 4 per token (ids, positions, slots, logits rows), 2 per decode row plus its table,
-        # prefill block lists (at most a full table per sequence), LoRA ends.
-        general = 4 * tokens + seqs * (2 + 2 * self.max_blocks) + max_loras
+        # General steps: 4 per token (ids, positions, slots, logits rows), LoRA ends, and either 2 per decode
+        # row plus its table and the prefill block lists (at most a full table per sequence), or 3 per chunk
+        # plus its table.
+        attention = seqs * (3 + self.max_blocks) if chunked else seqs * (2 + 2 * self.max_blocks)
+        general = 4 * tokens + attention + max_loras
         bucket = self._bucket_size(self.buckets[-1])
         cuda = device.type == "cuda"
         self._host = torch.zeros(max(general, bucket), dtype=torch.int64, pin_memory=cuda)
@@ -168,25 +193,14 @@ class StepInputsBuilder:
         """Any step (prefill chunks, decodes, prompt logprobs), in one copy; views differ step to step."""
         bs = self.block_size
         self._wait_for_last_copy()
-        host = self._np
+        layout = _Layout(self._np)
         lengths = [s.num_tokens for s in scheduled]
         starts = [s.seq.num_computed for s in scheduled]
         t = sum(lengths)
-        cursor = 0
-
-        def take(count: int) -> tuple[int, npt.NDArray[np.int64]]:
-            nonlocal cursor
-            at = cursor
-            cursor += count
-            return at, host[at:cursor]
-
-        ids_at, ids = take(t)
-        pos_at, positions = take(t)
-        slot_at, slots = take(t)
+        ids_at, ids = layout.take(t)
+        pos_at, positions = layout.take(t)
+        slot_at, slots = layout.take(t)
         rows: list[int] = []
-        decode_rows: list[int] = []  # packed index of each decode token
-        decode_seqs: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int] | None]] = []
         first = 0
         for i, item in enumerate(scheduled):
             seq, n, start = item.seq, lengths[i], starts[i]
@@ -202,57 +216,20 @@ class StepInputsBuilder:
             rows.extend(first + q - start for q in prompt_positions(seq, start, n))
             if item.draws:
                 rows.append(first + n - 1)
-            if n == 1:
-                decode_rows.append(first)
-                decode_seqs.append(i)
-            else:
-                context = start + n
-                prefill_specs.append((first, n, context, table[: -(-context // bs)] if start > 0 else None))
             first += n
-        rows_at, logits_rows = take(len(rows))
+        rows_at, logits_rows = layout.take(len(rows))
         logits_rows[:] = rows
-        nd = len(decode_rows)
-        width = max((len(scheduled[i].seq.block_table) for i in decode_seqs), default=0)
-        drow_at, drows = take(nd)
-        drows[:] = decode_rows
-        dlen_at, dlens = take(nd)
-        dtab_at, dtab = take(nd * width)
-        tables = dtab.reshape(nd, width)
-        tables[:] = 0  # padding is block 0; the mask hides it
-        for r, i in enumerate(decode_seqs):
-            seq = scheduled[i].seq
-            dlens[r] = starts[i] + 1
-            tables[r, : len(seq.block_table)] = seq.block_table
-        spans: list[tuple[int, int, int, int | None, int]] = []
-        for start, n, context, cached in prefill_specs:
-            if cached is None:
-                spans.append((start, n, context, None, 0))
-            else:
-                at, dst = take(len(cached))
-                dst[:] = cached
-                spans.append((start, n, context, at, len(cached)))
-        ends_at, ends = take(self.max_loras)
+        write = self._write_chunks if self.chunked else self._write_spans
+        attention_views = write(scheduled, lengths, starts, layout)
+        ends_at, ends = layout.take(self.max_loras)
         lora_tokens = self._segment_ends(scheduled, ends)
-        self._copy(self._general, cursor)
+        self._copy(self._general, layout.cursor)
         dev = self._general
 
         def view(at: int, count: int) -> torch.Tensor:
             return dev[at : at + count]
 
-        attention = AttentionMetadata(
-            kv_caches=self.kv_cache.layers,
-            block_size=bs,
-            slot_mapping=view(slot_at, t),
-            decode_token_index=view(drow_at, nd) if nd else None,
-            decode_block_table=view(dtab_at, nd * width).view(nd, width) if nd else None,
-            decode_context_lens=view(dlen_at, nd) if nd else None,
-            prefills=[
-                PrefillSpan(start, n, context, None if at is None else view(at, count))
-                for start, n, context, at, count in spans
-            ],
-            all_decode=nd == len(scheduled) == t,
-            decode_width=width,
-        )
+        attention = attention_views(view, view(slot_at, t))
         lora_ends = view(ends_at, self.max_loras)
         return StepInputs(
             input_ids=view(ids_at, t),
@@ -264,6 +241,109 @@ class StepInputsBuilder:
             lora_ends=lora_ends,
             num_rows=len(rows),
         )
+
+    def _write_spans(
+        self, scheduled: list[ScheduledSequence], lengths: list[int], starts: list[int], layout: _Layout
+    ) -> _AttentionViews:
+        """Decode rows (index, context length, block table) and prefill spans (cached blocks), for the split
+        path: decode rows batched, one SDPA call per prefill span."""
+        bs = self.block_size
+        decode_rows: list[int] = []  # packed index of each decode token
+        decode_seqs: list[int] = []
+        prefill_specs: list[tuple[int, int, int, list[int] | None]] = []
+        first = 0
+        for i, item in enumerate(scheduled):
+            n, start = lengths[i], starts[i]
+            if n == 1:
+                decode_rows.append(first)
+                decode_seqs.append(i)
+            else:
+                context = start + n
+                table = item.seq.block_table
+                prefill_specs.append((first, n, context, table[: -(-context // bs)] if start > 0 else None))
+            first += n
+        nd = len(decode_rows)
+        width = max((len(scheduled[i].seq.block_table) for i in decode_seqs), default=0)
+        drow_at, drows = layout.take(nd)
+        drows[:] = decode_rows
+        dlen_at, dlens = layout.take(nd)
+        dtab_at, dtab = layout.take(nd * width)
+        tables = dtab.reshape(nd, width)
+        tables[:] = 0  # padding is block 0; the mask hides it
+        for r, i in enumerate(decode_seqs):
+            seq = scheduled[i].seq
+            dlens[r] = starts[i] + 1
+            tables[r, : len(seq.block_table)] = seq.block_table
+        spans: list[tuple[int, int, int, int | None, int]] = []
+        for start, n, context, cached in prefill_specs:
+            if cached is None:
+                spans.append((start, n, context, None, 0))
+            else:
+                at, dst = layout.take(len(cached))
+                dst[:] = cached
+                spans.append((start, n, context, at, len(cached)))
+        all_decode = nd == len(scheduled) == first
+
+        def views(view: _View, slot_mapping: torch.Tensor) -> AttentionMetadata:
+            return AttentionMetadata(
+                kv_caches=self.kv_cache.layers,
+                block_size=bs,
+                slot_mapping=slot_mapping,
+                decode_token_index=view(drow_at, nd) if nd else None,
+                decode_block_table=view(dtab_at, nd * width).view(nd, width) if nd else None,
+                decode_context_lens=view(dlen_at, nd) if nd else None,
+                prefills=[
+                    PrefillSpan(start, n, context, None if at is None else view(at, count))
+                    for start, n, context, at, count in spans
+                ],
+                all_decode=all_decode,
+                decode_width=width,
+            )
+
+        return views
+
+    def _write_chunks(
+        self, scheduled: list[ScheduledSequence], lengths: list[int], starts: list[int], layout: _Layout
+    ) -> _AttentionViews:
+        """Every sequence as one chunk (first row, length, context, block table), for a paged prefill kernel
+        that attends the whole step in one launch. Table columns past a context's blocks are left stale: the
+        kernel never reads them."""
+        bs, n = self.block_size, len(scheduled)
+        start_at, query_start = layout.take(n)
+        len_at, query_len = layout.take(n)
+        ctx_at, context_len = layout.take(n)
+        query_len[:] = lengths
+        np.cumsum(query_len, out=query_start)
+        query_start -= query_len
+        context_len[:] = starts
+        context_len += query_len
+        need = -(-context_len // bs)
+        width = int(need.max(initial=0))
+        tab_at, flat = layout.take(n * width)
+        tables = flat.reshape(n, width)
+        for r, item in enumerate(scheduled):
+            k = int(need[r])
+            tables[r, :k] = item.seq.block_table[:k]
+
+        def views(view: _View, slot_mapping: torch.Tensor) -> AttentionMetadata:
+            chunks = StepChunks(
+                query_start=view(start_at, n),
+                query_len=view(len_at, n),
+                context_len=view(ctx_at, n),
+                block_tables=view(tab_at, n * width).view(n, width),
+            )
+            return AttentionMetadata(
+                kv_caches=self.kv_cache.layers,
+                block_size=bs,
+                slot_mapping=slot_mapping,
+                decode_token_index=None,
+                decode_block_table=None,
+                decode_context_lens=None,
+                prefills=[],
+                chunks=chunks,
+            )
+
+        return views
 
     # -- shared ---------------------------------------------------------------------------------------
 

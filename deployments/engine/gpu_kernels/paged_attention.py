@@ -26,6 +26,7 @@ from deployments.engine.gpu_kernels._triton import (
     sm_count,
     tl,
 )
+from deployments.engine.gpu_kernels.flash_step import cache_slots, online_softmax
 
 LOG2E = 1.4426950408889634
 MIN_PARTITION = 256  # positions; shorter partitions cost more in the combine than they save
@@ -69,23 +70,17 @@ def _attend_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        block_ids = tl.load(table_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slots = block_ids * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N]
+        slots = cache_slots(table_row, offs_n, valid, BLOCK_SIZE)  # [BLOCK_N]
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(
             k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
         )  # [BLOCK_N, D_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, PRECISION)
 
     tile_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
