@@ -234,6 +234,11 @@ def main() -> None:
     parser.add_argument("--quantization", default="none", choices=["none", "nf4", "int8"])
     parser.add_argument("--rounds", type=int, default=None, help="overhead rounds per peer (default by mode)")
     parser.add_argument("--only-overhead", action="store_true", help="only the adapters-vs-base part")
+    parser.add_argument(
+        "--base-vs-hf",
+        action="store_true",
+        help="with --only-overhead: also ours-base vs HF generate, end to end",
+    )
     args = parser.parse_args()
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     if args.tiny:
@@ -328,6 +333,8 @@ def main() -> None:
         "lora_kernel": engine.loaded.lora_context.kernel_name,
     }
     if args.only_overhead:
+        if args.base_vs_hf:
+            result.update(ours_base_vs_hf(engine, model_dir, dtype, sizes, args.adapters, batch))
         engine.close()
         finish(result, args, dtype_name, batch, model_dir, engine_device, mode)
         return
@@ -411,6 +418,32 @@ def main() -> None:
         }
     )
     finish(result, args, dtype_name, batch, model_dir, engine_device, mode)
+
+
+def ours_base_vs_hf(
+    engine: LLMEngine, model_dir: Path, dtype: torch.dtype, sizes: Sizes, adapters: int, batch: int
+) -> dict[str, Any]:
+    """Ours on the base model vs HF `generate`, same requests end to end, in turns (no PEFT peer)."""
+    requests = make_requests(
+        sizes.e2e_requests, num_adapters=adapters, prompt_range=(120, 136), out_range=sizes.e2e_out, seed=0
+    )
+    hf_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": engine.device})
+    hf_base.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is unannotated in HF
+    contiguous_lm_head(hf_base)
+    e2e = Interleaved(
+        {
+            "ours_base": lambda: run_engine(engine, requests, None),
+            "hf_base": lambda: run_hf(hf_base, requests, None, batch),
+        },
+        repeats=sizes.e2e_rounds,
+    ).run()
+    ratio = e2e.ratio("ours_base", "hf_base")
+    return {
+        "ours_base_tok_s": round(e2e.median("ours_base"), 1),
+        "hf_base_tok_s": round(e2e.median("hf_base"), 1),
+        "ratio_base_vs_hf_base": ratio["median"],
+        "ratio_base_vs_hf_base_spread": ratio,
+    }
 
 
 def finish(

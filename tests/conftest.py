@@ -15,6 +15,7 @@ from psycopg import sql
 from sqlalchemy import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+import tests.triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET before the fixtures import Triton)
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from tests.ci import missing

@@ -224,6 +224,18 @@ PRESETS: dict[str, ModelShape] = {
         max_position_embeddings=4096,
         sliding_window=1024,
     ),
+    # bench-1b's 22 layers at hidden 64: a step's per-layer host cost with nearly no compute
+    # (bench/host_overhead.py).
+    "narrow-22": ModelShape(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=22,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        max_position_embeddings=1024,
+        sliding_window=64,
+    ),
     # TinyLlama-1.1B's shape: the GPU benches' larger model (random init, built where it runs).
     "bench-1b": ModelShape(
         hidden_size=2048,

@@ -392,3 +392,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if covered < width:
         logits[:, covered:] = float("-inf")
     logits[:, :covered].masked_fill_(~allowed, float("-inf"))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [rows, width] on the bitmask's device: bit i of word j allows column 32 * j + i (the layout the
+    grammar library writes); columns past the mask's 32 * words are not allowed (model padding)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1).bool()  # [rows, 32 * words]
+    if allowed.shape[1] >= width:
+        return allowed[:, :width]
+    pad = torch.zeros(bitmask.shape[0], width - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)

@@ -1,4 +1,8 @@
-"""KVCache: the engine-owned paged K/V tensors, one flat [num_blocks * block_size, Hkv, D] pair per layer."""
+"""KVCache: the engine's paged K/V tensors, one flat [(num_blocks + 1) * block_size, Hkv, D] pair per layer.
+
+Block `num_blocks` is the sink: never handed to a sequence, it takes the K/V writes of a decode bucket's
+padding rows (step_inputs.py), so padding never touches anyone's context.
+"""
 
 import torch
 
@@ -17,7 +21,7 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)  # + the sink block
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
@@ -39,4 +43,4 @@ class KVCache:
     ) -> int:
         """How many blocks fit in `budget_bytes` (K and V, every layer)."""
         per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-        return max(2, budget_bytes // per_block)
+        return max(2, budget_bytes // per_block - 1)  # one block of the budget is the sink

@@ -32,7 +32,7 @@ from deployments.engine.errors import (
     RequestFailed,
 )
 from deployments.engine.kv_cache import KVCache
-from deployments.engine.logprobs import prompt_positions, token_logprobs
+from deployments.engine.logprobs import logprob_table, prompt_positions, read_logprobs, token_logprobs
 from deployments.engine.lora_kernels import select_kernel
 from deployments.engine.model_loader import LoadedModel, load_model
 from deployments.engine.model_runner import ModelRunner
@@ -117,11 +117,19 @@ class LLMEngine:
             max_loras=m.max_loras,
             adapter_wait_bound_s=config.adapter_wait_bound_s,
         )
-        self.runner = ModelRunner(m, self.kv_cache, max_loras=m.max_loras)
         dims = {config.max_lora_rank} | {
             d for mod in m.lora_modules.values() for d in (mod.in_features, mod.out_features)
         }
         m.lora_context.kernel_name, m.lora_context.kernel = select_kernel(m.dtype, m.device, dims)
+        self.runner = ModelRunner(
+            m,
+            self.kv_cache,
+            max_loras=m.max_loras,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            cuda_graphs=config.cuda_graphs,
+        )
         self.sampler = Sampler(self.vocab_size, m.device, seed=config.seed)
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices
         self._grammars: GrammarCompiler | None = None
@@ -138,16 +146,25 @@ class LLMEngine:
         self.aborts = 0  # requests stopped by abort() while still running or waiting
         self.generated_tokens = 0  # every output token sampled, aborted requests' included
         self.prefill_tokens = 0  # prompt tokens run through the model (prefix-cache hits are not)
+        # Where the memory goes: what the operator sizes with kv_cache_memory_mb, lora_memory_mb and
+        # prompt_logprobs_memory_mb, plus what the engine adds itself (step buffers, captured decode graphs).
+        self.memory_plan = {
+            "weights": m.weights_bytes,
+            "kv_cache": self.kv_cache.nbytes,
+            "lora_slots": m.lora_slot_bytes,
+            "prompt_logprob_rows": self.prompt_logprob_rows * self.prompt_logprob_row_bytes,
+            "step_buffers": self.runner.step_buffer_bytes,
+            "decode_graphs": self.runner.graph_pool_bytes,
+        }
         log.info(
-            "engine ready: %d KV blocks x %d tokens (%.1f MiB), prompt logprobs %d rows a step (%.1f MiB), "
-            "max_model_len %d, LoRA kernel %s",
+            "engine ready: %d KV blocks x %d tokens, prompt logprobs %d rows a step, max_model_len %d, "
+            "LoRA kernel %s; memory (MiB): %s",
             num_blocks,
             config.block_size,
-            self.kv_cache.nbytes / 2**20,
             self.prompt_logprob_rows,
-            self.prompt_logprob_rows * self.prompt_logprob_row_bytes / 2**20,
             self.max_model_len,
             m.lora_context.kernel_name,
+            ", ".join(f"{k} {v / 2**20:.1f}" for k, v in self.memory_plan.items()),
         )
 
     # -- requests -------------------------------------------------------------------------------------
@@ -364,15 +381,26 @@ class LLMEngine:
         """A token per row, or for a row that cannot be sampled the error, so that one request's bad
         parameters never fail its batch neighbours; and each token's logprob where its request asked.
         Logprobs read the raw logits; logit biases and grammar masks then change them in place, and
-        only the rows that use them. The per-row retry only runs after a failure (a seeded row may then
-        draw from a generator the failed batch call already advanced)."""
+        only the rows that use them. Tokens and logprobs come back to the host in one read, the step's one
+        device->host sync. The per-row retry only runs after a failure (a seeded row may then draw from a
+        generator the failed batch call already advanced)."""
         asked = [i for i, s in enumerate(sampling) if s.seq.params.logprobs is not None]
         raw = logits[asked] if asked else None  # [A, V]: a copy (list indexing), before biases and masks
         self._constrain(logits, sampling)
         rows = [self._sampling_row(s.seq) for s in sampling]
         tokens: list[int | str]
+        table: list[list[float]] = []
         try:
-            tokens = list(self.sampler.sample(logits, rows))
+            chosen = self.sampler.sample_on_device(logits, rows)  # [N] on the device
+            fetch = [chosen.double()]
+            if raw is not None:
+                k = max(sampling[i].seq.params.logprobs or 0 for i in asked)
+                fetch.append(logprob_table(raw, chosen[asked], k).flatten())
+            flat: list[float] = torch.cat(fetch).tolist()  # the one read back
+            tokens = [int(t) for t in flat[: len(rows)]]
+            if raw is not None:
+                width = (len(flat) - len(rows)) // len(asked)
+                table = [flat[len(rows) + r * width : len(rows) + (r + 1) * width] for r in range(len(asked))]
         except Exception:
             log.exception("sampling the step failed; sampling its rows one by one")
             tokens = []
@@ -381,6 +409,7 @@ class LLMEngine:
                     tokens.append(self.sampler.sample(logits[i : i + 1], [row])[0])
                 except Exception as error:
                     tokens.append(str(error) or type(error).__name__)
+            table = []
         for i, s in enumerate(sampling):  # advance the grammars; a refused token fails only its request
             token = tokens[i]
             if s.seq.matcher is not None and not isinstance(token, str) and not s.seq.matcher.accept(token):
@@ -388,11 +417,17 @@ class LLMEngine:
         logprobs: list[TokenLogprob | None] = [None] * len(sampling)
         if raw is not None:
             good = [i for i in asked if not isinstance(tokens[i], str)]
-            if good:
+            if good and not table:  # the batch call failed: the rows that sampled get theirs now
                 keep = [asked.index(i) for i in good]
-                chosen = [int(tokens[i]) for i in good]
+                chosen_ids = [int(tokens[i]) for i in good]
                 top = [sampling[i].seq.params.logprobs or 0 for i in good]
-                for i, lp in zip(good, token_logprobs(raw[keep], chosen, top), strict=True):
+                for i, lp in zip(good, token_logprobs(raw[keep], chosen_ids, top), strict=True):
+                    logprobs[i] = lp
+            elif good:
+                rows_of = [table[asked.index(i)] for i in good]
+                chosen_ids = [int(tokens[i]) for i in good]
+                top = [sampling[i].seq.params.logprobs or 0 for i in good]
+                for i, lp in zip(good, read_logprobs(rows_of, chosen_ids, top), strict=True):
                     logprobs[i] = lp
         return tokens, logprobs
 
@@ -408,17 +443,17 @@ class LLMEngine:
         masked = [i for i, s in enumerate(sampling) if s.seq.matcher is not None]
         if not masked:
             return
-        from deployments.engine.grammar import apply_bitmask, new_bitmask
+        from deployments.engine.grammar import new_bitmask, unpack_bitmask
 
-        bitmask = new_bitmask(len(masked), self.vocab_size)
+        bitmask = new_bitmask(len(masked), self.vocab_size)  # [M, ceil(V / 32)] int32, built on the host
         for r, i in enumerate(masked):
             matcher = sampling[i].seq.matcher
             assert matcher is not None
             matcher.fill_mask(bitmask, r)
         index = torch.tensor(masked, dtype=torch.long, device=logits.device)
-        rows = logits.index_select(0, index).cpu()  # [M, V]; the masks are built on the host
-        apply_bitmask(rows, bitmask)
-        logits.index_copy_(0, index, rows.to(logits.device))
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # [M, V]
+        rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+        logits.index_copy_(0, index, rows)  # masks applied on the logits' device: nothing read back
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         penalised = seq.params.uses_penalties

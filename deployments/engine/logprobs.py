@@ -25,20 +25,30 @@ def prompt_positions(seq: Sequence, start: int, num_tokens: int) -> range:
 
 def token_logprobs(logits: torch.Tensor, chosen: Seq[int], top: Seq[int]) -> list[TokenLogprob]:
     """logits [R, V]: row r's logprob of chosen[r] and its top[r] most likely tokens."""
+    ids = torch.tensor(list(chosen), dtype=torch.long, device=logits.device)
+    table = logprob_table(logits, ids, max(top, default=0))
+    return read_logprobs(table.tolist(), list(chosen), top)
+
+
+def logprob_table(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, 1 + 2k] float64 on the logits' device: each row's logprob of chosen[r], then its k best logprobs,
+    then their token ids (exact in float64), so one read brings them to the host with anything else."""
     with torch.inference_mode():
         lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-        ids = torch.tensor(list(chosen), dtype=torch.long, device=lp.device)[:, None]  # [R, 1]
-        picked = lp.gather(1, ids).squeeze(1).tolist()
-        k = max(top, default=0)
-        best_values: list[list[float]] = []
-        best_ids: list[list[int]] = []
-        if k > 0:
-            values, indices = lp.topk(k, dim=-1)  # [R, k], best first
-            best_values, best_ids = values.tolist(), indices.tolist()
+        picked = lp.gather(1, chosen.long()[:, None])  # [R, 1]
+        if k <= 0:
+            return picked.double()
+        values, indices = lp.topk(k, dim=-1)  # [R, k], best first
+        return torch.cat([picked.double(), values.double(), indices.double()], dim=1)
+
+
+def read_logprobs(rows: list[list[float]], chosen: Seq[int], top: Seq[int]) -> list[TokenLogprob]:
+    """TokenLogprobs from `logprob_table` rows read back to the host."""
+    k = (len(rows[0]) - 1) // 2 if rows else 0
     out = []
     for r, token in enumerate(chosen):
-        alternatives = (
-            () if not top[r] else tuple(zip(best_ids[r][: top[r]], best_values[r][: top[r]], strict=True))
-        )
-        out.append(TokenLogprob(int(token), float(picked[r]), alternatives))
+        row = rows[r]
+        n = top[r]
+        alternatives = tuple((int(row[1 + k + j]), float(row[1 + j])) for j in range(n))
+        out.append(TokenLogprob(int(token), float(row[0]), alternatives))
     return out

@@ -55,7 +55,10 @@ class MultiLoRALinear(nn.Module):
         self._context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.base(x)
+        return self.add_lora(x, self.base(x))
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base's output for x) plus the step's adapters' deltas."""
         batch = self._context.batch
         if batch is None or batch.num_lora_tokens == 0:
             return y

@@ -58,23 +58,26 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """logits: [N, V_model] for the N rows, in order. Returns N token ids, all < vocab_size."""
+        tokens: list[int] = self.sample_on_device(logits, rows).tolist()
+        return tokens
+
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """`sample` without reading the tokens back: [N] int64 on the logits' device, so the caller can
+        fetch them together with anything else it needs (one device->host sync per step)."""
         with torch.inference_mode():
             x = self._float_logits(logits, len(rows))  # [N, V]
-            tokens = [0] * len(rows)
+            tokens = torch.zeros(len(rows), dtype=torch.int64, device=x.device)
             greedy = [i for i, row in enumerate(rows) if _greedy(row.params)]
             if greedy:
                 xg = _penalised(x, logits, [rows[i] for i in greedy], greedy)  # [G, V]
                 # max(dim).indices, not argmax: same first-max tie rule, several times faster on CPU.
-                for i, token in zip(greedy, xg.max(dim=-1).indices.tolist(), strict=True):
-                    tokens[i] = token
+                _put(tokens, greedy, xg.max(dim=-1).indices)
             sampled = [i for i, row in enumerate(rows) if not _greedy(row.params)]
             if sampled:
                 picked = [rows[i] for i in sampled]
                 xs = _penalised(x, logits, picked, sampled)  # [S, V]
                 probs = _filtered_probs(xs, [r.params for r in picked], owned=_owned(xs, logits))
-                drawn = _draw(probs, self._uniforms(picked))  # [S]
-                for i, token in zip(sampled, drawn.tolist(), strict=True):
-                    tokens[i] = token
+                _put(tokens, sampled, _draw(probs, self._uniforms(picked)))
             return tokens
 
     def probabilities(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -177,8 +180,9 @@ def _filtered_probs(xs: torch.Tensor, params: Sequence[SamplingParams], *, owned
 
     if k_rows:
         sub = _take(xs, k_rows)  # [Sk, V]
-        ks = torch.tensor([params[j].top_k for j in k_rows], device=dev)  # [Sk]
-        kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])  # [Sk, 1]
+        top_ks = [params[j].top_k for j in k_rows]
+        ks = torch.tensor(top_ks, device=dev)  # [Sk]
+        kth = sub.topk(max(top_ks), dim=-1).values.gather(1, (ks - 1)[:, None])  # [Sk, 1]
         # A threshold rather than the top-k indices: ties with the k-th value stay, as in HF and vLLM.
         _put(xs, k_rows, sub.masked_fill_(sub < kth, float("-inf")))
 
@@ -263,7 +267,8 @@ def _flatten(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
     # np.fromiter is ~10x faster than torch.tensor on a Python list of ints.
     flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=total)
     ids = torch.from_numpy(flat).to(device)  # [T]
-    which = torch.repeat_interleave(torch.arange(len(seqs), device=device), torch.tensor(lens, device=device))
+    # Built on the host: repeat_interleave with device counts would read them back (a sync).
+    which = torch.from_numpy(np.repeat(np.arange(len(seqs), dtype=np.int64), lens)).to(device)
     return which, ids
 
 

@@ -104,14 +104,14 @@ def test_adapter_that_fails_to_load_fails_only_its_request(llama: TinySetup, tmp
 
 def test_a_row_that_cannot_be_sampled_fails_alone(llama: TinySetup, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(llama)
-    sample = engine.sampler.sample
+    sample = engine.sampler.sample_on_device
 
     def fragile(logits, rows):
         if any(row.params.seed == 666 for row in rows):  # stands for parameters that overflow the sampler
             raise IndexError("index out of range")
         return sample(logits, rows)
 
-    monkeypatch.setattr(engine.sampler, "sample", fragile)
+    monkeypatch.setattr(engine.sampler, "sample_on_device", fragile)
     engine.add_request(EngineRequest("bad", [1, 2, 3], SamplingParams(max_tokens=8, seed=666)))
     engine.add_request(EngineRequest("good", [4, 5, 6], GREEDY, llama.refs["demo-sql"]))
     outputs = drain(engine)
