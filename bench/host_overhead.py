@@ -6,7 +6,7 @@ batch on the base model, in turns: a step's time there is almost all host work. 
   schedule  - Scheduler.schedule (admission, block allocation, slot sort),
   metadata  - ModelRunner.prepare (the step's tensors, one copy),
   forward   - the forward's dispatch (ModelRunner.run minus prepare; a graph replay on CUDA),
-  sampling  - LLMEngine._sample (biases, masks, the sampler, the one host sync),
+  sampling  - LogitsProcessor.sample (biases, masks, the sampler, the one host sync),
   outputs   - the rest of LLMEngine.step (appending tokens, detokenizing, finishing, usage),
 and one profiled step counts the torch ops it dispatches. `--preset narrow-22` is bench-1b's 22 layers at
 hidden 64: per-layer dispatch is what dominates a GPU step, and this shows it without one.
@@ -58,7 +58,7 @@ class PhaseClock:
         timed(engine.scheduler, "schedule", "schedule")
         timed(engine.runner, "prepare", "metadata")
         timed(engine.runner, "run", "run")  # includes prepare; forward = run - metadata
-        timed(engine, "_sample", "sampling")
+        timed(engine.logits, "sample", "sampling")
         self.cuda = cuda
 
     def step(self) -> float:

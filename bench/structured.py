@@ -65,7 +65,7 @@ class MaskTimer:
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds = 0.0
         self.rows = 0
-        inner = engine._constrain
+        inner = engine.logits.constrain
 
         def timed(logits: torch.Tensor, sampling: list[ScheduledSequence]) -> None:
             start = time.perf_counter()
@@ -73,7 +73,7 @@ class MaskTimer:
             self.seconds += time.perf_counter() - start
             self.rows += sum(s.seq.matcher is not None for s in sampling)
 
-        engine._constrain = timed  # type: ignore[method-assign]
+        engine.logits.constrain = timed  # type: ignore[method-assign]
 
 
 def run_batch(engine: LLMEngine, requests: list[EngineRequest]) -> tuple[float, int]:

@@ -107,6 +107,8 @@ def test_an_overdue_adapter_takes_a_busy_slot_and_the_preempted_request_resumes_
         time.sleep(0.005)  # ~25 steps per 0.2 s: the long request would hold the slot for 120
     assert cold_done is not None and long_done is not None
     assert cold_done < long_done  # it did not wait for the slot to drain
-    assert engine.scheduler.slot_preemptions == 1
+    # At least the one preemption; on a loaded machine, where two steps can outlast the wait bound, the long
+    # request may be overdue in its turn while the cold one still decodes, and take the slot back.
+    assert engine.scheduler.slot_preemptions >= 1
     assert outputs["long"] == expected  # preempted and resumed from the prefix cache: same tokens
     engine.close()

@@ -162,13 +162,13 @@ def test_eos_ends_generation(llama: TinySetup) -> None:
     )
     free = tokens(drain(engine)["e"])
     # Make EOS the greedy choice after 3 tokens by stopping on that token id as EOS would.
-    engine.loaded.eos_token_ids = frozenset({free[2]})
+    engine.outputs.eos_token_ids = frozenset({free[2]})
     engine.add_request(EngineRequest("e2", [1, 2, 3], SamplingParams(max_tokens=24, temperature=0)))
     out = drain(engine)["e2"]
     assert tokens(out) == free[:3]
     assert out[-1].finish_reason is FinishReason.STOP
     assert out[-1].stop_reason is None  # EOS, not a user stop
-    engine.loaded.eos_token_ids = frozenset({eos})
+    engine.outputs.eos_token_ids = frozenset({eos})
     engine.close()
 
 

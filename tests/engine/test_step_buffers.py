@@ -218,7 +218,7 @@ def test_the_forward_reads_nothing_back_and_a_step_reads_its_tokens_once(llama: 
         engine.add_request(EngineRequest(f"r{i}", [1, 2, 3 + i], params, refs[i % 2] if i < 4 else None))
     for _ in range(3):  # prefill, then decodes
         engine.step()
-    forward, sample = engine.runner.forward, engine._sample
+    forward, sample = engine.runner.forward, engine.logits.sample
     in_forward, in_sampling = HostReads(), HostReads()
 
     def watched_forward(inputs: Any) -> Any:
@@ -230,7 +230,7 @@ def test_the_forward_reads_nothing_back_and_a_step_reads_its_tokens_once(llama: 
             return sample(*args)
 
     engine.runner.forward = watched_forward  # type: ignore[assignment]
-    engine._sample = watched_sample  # type: ignore[method-assign,assignment]
+    engine.logits.sample = watched_sample  # type: ignore[method-assign,assignment]
     engine.step()
     engine.step()
     assert in_forward.calls == []

@@ -1,0 +1,156 @@
+"""LogitsProcessor: a step's logits in, a token (and its logprobs) per sampling row out.
+
+What happens between the forward and the tokens: prompt logprobs are taken from the rows at prompt positions,
+logit biases and grammar masks are applied in place to the rows whose requests have them, the sampler applies
+penalties and draws, and each token's logprobs come from the raw logits. Tokens and logprobs come back to the
+host in one read, the step's one device->host sync. A row that cannot be sampled (bad parameters, a token its
+grammar refuses) gets its error instead of a token, so it fails alone.
+"""
+
+import logging
+
+import torch
+
+from deployments.engine.logprobs import logprob_table, read_logprobs, token_logprobs
+from deployments.engine.outputs import TokenLogprob
+from deployments.engine.sampler import Sampler, SamplingRow
+from deployments.engine.scheduler import ScheduledSequence
+from deployments.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+Token = int | str  # a sampled token, or why the row could not be sampled
+
+
+class LogitsProcessor:
+    def __init__(self, sampler: Sampler, vocab_size: int) -> None:
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+
+    def take_prompt_logprobs(
+        self, logits: torch.Tensor, scheduled: list[ScheduledSequence], prompt_rows: list[range]
+    ) -> torch.Tensor:
+        """Record the prompt logprobs in `logits` (ModelRunner.run's row order); return the sampling rows."""
+        row = 0
+        sampling_rows: list[int] = []
+        for item, positions in zip(scheduled, prompt_rows, strict=True):
+            if positions:
+                seq = item.seq
+                assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
+                chosen = [seq.token_ids[q + 1] for q in positions]
+                top = [seq.params.prompt_logprobs] * len(positions)
+                seq.prompt_logprobs += token_logprobs(logits[row : row + len(positions)], chosen, top)
+                row += len(positions)
+            if item.draws:
+                sampling_rows.append(row)
+                row += 1
+        return logits[sampling_rows]
+
+    def sample(
+        self, logits: torch.Tensor, sampling: list[ScheduledSequence]
+    ) -> tuple[list[Token], list[TokenLogprob | None]]:
+        """A token per row (or its error) and each token's logprobs where its request asked. Logprobs read the
+        raw logits; biases and grammar masks then change only the rows that use them. The per-row retry runs
+        only after a failure (a seeded row may then draw from a generator the failed batch call advanced)."""
+        asked = [i for i, s in enumerate(sampling) if s.seq.params.logprobs is not None]
+        raw = logits[asked] if asked else None  # [A, V]: a copy (list indexing), before biases and masks
+        self.constrain(logits, sampling)
+        rows = [sampling_row(s.seq) for s in sampling]
+        table: list[list[float]] = []
+        try:
+            tokens, table = self._draw(logits, rows, raw, asked, sampling)
+        except Exception:
+            log.exception("sampling the step failed; sampling its rows one by one")
+            tokens = self._draw_each(logits, rows)
+        for i, s in enumerate(sampling):  # advance the grammars; a refused token fails only its request
+            token = tokens[i]
+            if s.seq.matcher is not None and not isinstance(token, str) and not s.seq.matcher.accept(token):
+                tokens[i] = f"token {token} is outside the request's grammar"
+        return tokens, self._logprobs(tokens, raw, asked, table, sampling)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        raw: torch.Tensor | None,
+        asked: list[int],
+        sampling: list[ScheduledSequence],
+    ) -> tuple[list[Token], list[list[float]]]:
+        """The whole batch in one sampler call; tokens and logprob rows read back together."""
+        chosen = self.sampler.sample_on_device(logits, rows)  # [N] on the device
+        fetch = [chosen.double()]
+        if raw is not None:
+            k = max(sampling[i].seq.params.logprobs or 0 for i in asked)
+            fetch.append(logprob_table(raw, chosen[asked], k).flatten())
+        flat: list[float] = torch.cat(fetch).tolist()  # the one read back
+        tokens: list[Token] = [int(t) for t in flat[: len(rows)]]
+        table: list[list[float]] = []
+        if raw is not None:
+            width = (len(flat) - len(rows)) // len(asked)
+            table = [flat[len(rows) + r * width : len(rows) + (r + 1) * width] for r in range(len(asked))]
+        return tokens, table
+
+    def _draw_each(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Token]:
+        tokens: list[Token] = []
+        for i, row in enumerate(rows):
+            try:
+                tokens.append(self.sampler.sample(logits[i : i + 1], [row])[0])
+            except Exception as error:
+                tokens.append(str(error) or type(error).__name__)
+        return tokens
+
+    @staticmethod
+    def _logprobs(
+        tokens: list[Token],
+        raw: torch.Tensor | None,
+        asked: list[int],
+        table: list[list[float]],
+        sampling: list[ScheduledSequence],
+    ) -> list[TokenLogprob | None]:
+        logprobs: list[TokenLogprob | None] = [None] * len(sampling)
+        good = [i for i in asked if not isinstance(tokens[i], str)]
+        if raw is None or not good:
+            return logprobs
+        chosen = [int(tokens[i]) for i in good]
+        top = [sampling[i].seq.params.logprobs or 0 for i in good]
+        if table:
+            found = read_logprobs([table[asked.index(i)] for i in good], chosen, top)
+        else:  # the batch call failed: the rows that sampled get theirs now
+            found = token_logprobs(raw[[asked.index(i) for i in good]], chosen, top)
+        for i, lp in zip(good, found, strict=True):
+            logprobs[i] = lp
+        return logprobs
+
+    @torch.inference_mode()
+    def constrain(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> None:
+        """Apply logit biases and grammar masks, in place, to the rows whose requests have them."""
+        for i, s in enumerate(sampling):
+            bias = s.seq.params.logit_bias
+            if bias:
+                ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+                values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, ids, values)
+        masked = [i for i, s in enumerate(sampling) if s.seq.matcher is not None]
+        if not masked:
+            return
+        from deployments.engine.grammar import new_bitmask, unpack_bitmask
+
+        bitmask = new_bitmask(len(masked), self.vocab_size)  # [M, ceil(V / 32)] int32, built on the host
+        for r, i in enumerate(masked):
+            matcher = sampling[i].seq.matcher
+            assert matcher is not None
+            matcher.fill_mask(bitmask, r)
+        index = torch.tensor(masked, dtype=torch.long, device=logits.device)
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # [M, V]
+        rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+        logits.index_copy_(0, index, rows)  # masks applied on the logits' device: nothing read back
+
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """One sequence's view of a step for the sampler; the histories only when penalties read them."""
+    penalised = seq.params.uses_penalties
+    return SamplingRow(
+        params=seq.params,
+        generator=seq.generator,
+        prompt_ids=seq.prompt_ids if penalised else (),
+        output_ids=seq.output_ids if penalised else (),
+    )
