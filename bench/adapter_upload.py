@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from app.auth import generate_key
+from app.auth.api_keys import generate_key
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
 from app.main import create_app

@@ -312,7 +312,7 @@ def prepare(platform: Platform, config: Path, users: int) -> list[TenantSetup]:
     """`loraplex up`'s preparation (app.demo.prepare), then our tenants, keys and closed-hour usage."""
     from pydantic import SecretStr
 
-    from app.auth import generate_key
+    from app.auth.api_keys import generate_key
     from app.demo import prepare as prepare_demo
     from app.settings import Settings
     from billing import adapter_registry, repository

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from app.modelprep.demo_model import ensure_model
-from app.prompts import PromptBuilder
+from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
 from bench.measure import machine, spread
 from bench.serve_platform import Platform, Tenant, build_adapters, local_platform, stream

@@ -11,7 +11,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from app.limits import Limits
-from app.prompts import PromptBuilder
+from app.completions.prompts import PromptBuilder
 from tests.app.conftest import MODEL, Served
 from tests.app.features import MODELS, Account, account_with_adapter, account_without_adapter, assert_refused
 from tests.app.test_rate_limits import make_tier

@@ -12,7 +12,7 @@ import pytest
 from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.prompts import PromptBuilder
+from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
 from tests.e2e.conftest import ServeApp
 from tests.engine.reference import PeftReference

@@ -9,7 +9,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.errors import InvalidParameter
-from app.logprobs import TokenTexts
+from app.completions.logprobs import TokenTexts
 from app.schemas.openai import ChatMessage
 
 
