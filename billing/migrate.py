@@ -24,7 +24,9 @@ def alembic_config(url: str) -> Config:
     # Not a main option: those go through ConfigParser interpolation, and URLs may hold '%'.
     config.attributes["url"] = url
     # What migrations/env.py needs of billing, handed over so that migrations/ imports nothing of ours.
-    config.attributes.update(target_metadata=Base.metadata, make_engine=make_engine, normalize_url=normalize_url)
+    config.attributes.update(
+        target_metadata=Base.metadata, make_engine=make_engine, normalize_url=normalize_url
+    )
     return config
 
 

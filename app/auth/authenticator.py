@@ -20,8 +20,8 @@ from starlette.concurrency import run_in_threadpool
 
 from app.auth.api_keys import hash_key, parse_prefix, verify_key
 from app.auth.failures import FailureThrottle
-from app.errors import InvalidApiKey, TooManyFailedAuthentications
 from app.auth.key_usage import KeyUsageRecorder
+from app.errors import InvalidApiKey, TooManyFailedAuthentications
 from app.limits import Limits
 from billing import repository
 from billing.models import Tenant, Tier

@@ -5,8 +5,8 @@ from typing import Annotated
 
 import typer
 
-from app.cli.common import JSON, emit, stdout
 from app.cli.billing_database import database_url, missing_sqlite_file, run_db
+from app.cli.common import JSON, emit, stdout
 
 db_app = typer.Typer(
     help="Billing database migrations, run on LORAPLEX_DATABASE_URL directly (not over HTTP).",

@@ -23,8 +23,8 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters.errors import AdapterLoadFailed, AdapterNotFound
 from app import log_context, request_metrics
-from app.completions.admission import Admission, concurrency_limit
 from app.auth.authenticator import Principal
+from app.completions.admission import Admission, concurrency_limit
 from app.completions.choices import Choices, Shape
 from app.completions.closing_stream_response import ClosingStreamingResponse
 from app.completions.engine_stream import EngineStream, uncancellable

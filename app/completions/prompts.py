@@ -8,8 +8,8 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from app.errors import InvalidParameter
 from app.completions.logprobs import TokenTexts
+from app.errors import InvalidParameter
 from app.schemas.openai import ChatMessage
 
 

@@ -39,10 +39,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from app.limits.lua_scripts import INVALID, MAX_LIMIT, lua_script
 from app.limits.protocol import (
     DEFAULT_MAX_WAITERS,
     FINAL_REASONS,
-    MAX_TOKENS,
     WINDOW_MS,
     Decision,
     InvalidTokenCount,
@@ -55,7 +55,6 @@ from app.limits.protocol import (
     check_tokens,
     check_wait,
 )
-from app.limits.lua_scripts import INVALID, MAX_LIMIT, lua_script
 from app.limits.state import CONCURRENCY_RETRY_MS, HEARTBEAT_MS, QUEUE_STALE_MS, QUEUED_RETRY_MS
 from app.limits.wakeups import Wakeups
 

@@ -3,8 +3,8 @@
 Prompt size is bounded before any work (Settings.max_messages, max_prompt_chars, max_prompts; a token id
 counts as a character), and templating and tokenisation run in the thread pool: a large prompt never
 holds the event loop other requests share. What the engine is asked beyond sampling (n, logprobs,
-logit_bias, structured output for response_format and tool_choice) is read here; app/completions/choices.py shapes
-what comes back.
+logit_bias, structured output for response_format and tool_choice) is read here;
+app/completions/choices.py shapes what comes back.
 """
 
 import json
@@ -16,10 +16,10 @@ from starlette.concurrency import run_in_threadpool
 
 from app.completions import tool_calls
 from app.completions.choices import Shape
-from app.deps import RequestIdDep, ServicesDep, TenantDep
-from app.errors import InvalidParameter
 from app.completions.generation import Generation
 from app.completions.prompts import PromptBuilder
+from app.deps import RequestIdDep, ServicesDep, TenantDep
+from app.errors import InvalidParameter
 from app.routes.guarded import TenantRoute
 from app.schemas.openai import (
     ChatCompletionRequest,
