@@ -75,6 +75,8 @@ HELPERS = {
     "measure",
     "workload",
     "serve_platform",
+    "admin_upload",
+    "routing_counters",
 }  # pieces of benches, not benches
 
 
