@@ -29,6 +29,7 @@ from app.main import create_app
 from app.settings import Settings
 from bench.admin_upload import post_adapter
 from bench.assets import ensure_bench_assets
+from bench.live_server import LiveServer
 from bench.measure import Interleaved, machine
 from billing import repository
 from billing.db import session_scope
@@ -39,7 +40,6 @@ from deployments.engine.interface import EngineRequest, LocalEngineClient
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from deployments.registry_watcher import RegistryWatcher
-from tests.app.conftest import LiveServer
 
 MODEL = "bench"
 

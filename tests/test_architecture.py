@@ -39,7 +39,7 @@ ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 # The test-support modules benches reuse (the one arrow up: bench -> tests).
 TEST_SUPPORT = (
     "tests.app.conftest",  # LiveServer: the HTTP app under uvicorn
-    "tests.billing.stripe_stub",
+    "bench.stripe_stub",
     "tests.engine.reference",
     "tests.engine.test_reference_equality",
 )
