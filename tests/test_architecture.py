@@ -303,7 +303,8 @@ def status_choices(root: Path) -> list[str]:
                 found.append(f"{name}:{node.lineno} builds an APIError: name the error in app/errors.py")
             names = [a.name.split(".")[-1] for a in node.names] if isinstance(node, ast.ImportFrom) else []
             if "HTTPException" in names or _mentions(node, "HTTPException"):
-                found.append(f"{name}:{node.lineno} uses HTTPException: name the error in app/errors.py")
+                line = getattr(node, "lineno", 0)
+                found.append(f"{name}:{line} uses HTTPException: name the error in app/errors.py")
     return list(dict.fromkeys(found))
 
 
