@@ -157,6 +157,12 @@ async def mixed_burst(app: ServeApp, key: str, names: list[str]) -> list[dict[st
         return await asyncio.gather(*(one(i) for i in range(len(names) * 2)))
 
 
+def eos_token_ids(app: ServeApp) -> list[int]:
+    config = json.loads((app.setups["llama"].model_dir / "config.json").read_text())
+    eos = config["eos_token_id"]
+    return eos if isinstance(eos, list) else [eos]
+
+
 async def burst_with_a_kill(
     app: ServeApp, key: str, names: list[str], victim: dict[str, Any]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -168,7 +174,11 @@ async def burst_with_a_kill(
         streaming = asyncio.Event()
 
         async def doomed() -> dict[str, Any]:
-            body = {"model": names[0], "prompt": "a long one", "max_tokens": 600, "stream": True}
+            # No end-of-sequence token: the stream cannot finish between the kill and its taking effect
+            # (a random model sampling one early made this test fail on fast machines).
+            no_eos = {str(token): -100 for token in eos_token_ids(app)}
+            body = {"model": names[0], "prompt": "a long one", "max_tokens": 900, "stream": True,
+                    "logit_bias": no_eos}  # fmt: skip
             events = []
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
