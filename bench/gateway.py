@@ -26,7 +26,7 @@ import httpx
 import ray
 from ray import serve
 
-from app.auth import generate_key
+from app.auth.api_keys import generate_key
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
 from app.main import create_app
