@@ -23,6 +23,18 @@ _SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
 DEFAULT_FUSED_MAX_ROWS = 16
 
 
+def dequantize_in_torch(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """awq_dequantize's weight [in, out] (rounded once to the scales' dtype) in plain torch, for a CPU
+    without Triton: it materializes int32 codes, so it is for that fallback only."""
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=qweight.device)
+    codes = ((qweight[..., None] >> shifts) & 0xF).flatten(1)
+    zeros = ((qzeros[..., None] >> shifts) & 0xF).flatten(1).repeat_interleave(group_size, 0)
+    wide = scales.float().repeat_interleave(group_size, 0)
+    return ((codes - zeros).float() * wide).to(scales.dtype)
+
+
 class AwqLinear(nn.Module):
     qweight: torch.Tensor
     qzeros: torch.Tensor
@@ -72,11 +84,7 @@ class AwqLinear(nn.Module):
             from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
 
             return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size)
-        shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=self.qweight.device)
-        codes = ((self.qweight[..., None] >> shifts) & 0xF).flatten(1)
-        zeros = ((self.qzeros[..., None] >> shifts) & 0xF).flatten(1).repeat_interleave(self.group_size, 0)
-        scales = self.scales.float().repeat_interleave(self.group_size, 0)
-        return ((codes - zeros).float() * scales).to(self.scales.dtype)
+        return dequantize_in_torch(self.qweight, self.qzeros, self.scales, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype)
