@@ -56,6 +56,7 @@ BENCHES = {
     },
     "host_overhead": {"step_ms", "lora_vs_base", "phases_ms", "torch_ops_per_step"},
     "gpu_check": {"env", "correctness", "host"},
+    "awq_step": {"linear", "step_ms", "step_ratio_vs_bf16"},
     "multi_tenant": {
         "throughput_vs_resident",
         "ttft_p99_vs_resident",
