@@ -69,7 +69,6 @@ RUN_ELSEWHERE = {"load_test": "tests/e2e/test_load_and_faults.py"}
 HELPERS = {
     "__init__",
     "assets",
-    "load_faults",
     "locustfile",
     "ray_ops",
     "measure",
