@@ -85,7 +85,7 @@ class ClosingTimer:
             timer.tokens += 1
             return taken
 
-        GrammarMatcher.take = timed  # type: ignore[method-assign]
+        GrammarMatcher.take = timed  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:

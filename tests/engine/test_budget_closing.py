@@ -6,6 +6,7 @@ would run to max_tokens and be cut, so a pass cannot be the model's doing.
 """
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -90,10 +91,10 @@ def values(output: str, spec: StructuredOutput) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def engine(llama: TinySetup) -> LLMEngine:
+def engine(llama: TinySetup) -> Iterator[LLMEngine]:
     engine = make_engine(llama, max_num_seqs=32, num_kv_blocks=1024, max_num_batched_tokens=256)
     preload(engine, llama)
-    yield engine  # type: ignore[misc]
+    yield engine
     engine.close()
 
 
@@ -109,7 +110,7 @@ def test_the_opening_closing_is_the_shortest_valid_output(engine: LLMEngine, nam
     matcher = compiled.matcher()
     closing = matcher._plan  # the tokens the grammar would steer through from the start
     assert closing is not None and len(closing) + 1 == compiled.min_tokens
-    output = engine.tokenizer.decode(closing)
+    output = str(engine.tokenizer.decode(closing))
     for value in values(output, spec):
         jsonschema.validate(value, schema)
     expected = {
@@ -183,7 +184,7 @@ def test_stop_strings_and_stop_tokens_never_cut_a_structured_output(
     engine: LLMEngine, llama: TinySetup
 ) -> None:
     spec, schema = SPECS["person"]
-    quote = engine.tokenizer.convert_tokens_to_ids('"')
+    quote = int(engine.tokenizer.convert_tokens_to_ids('"'))  # type: ignore[arg-type]
     params = SamplingParams(
         max_tokens=40, temperature=1.0, seed=3, stop=('"', ","), stop_token_ids=(quote,), structured=spec
     )
