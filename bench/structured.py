@@ -159,7 +159,9 @@ def main() -> None:
     adapters = [*refs, None]  # and the base model
     spec = StructuredOutput(json.dumps(RECORD))
     timer = MaskTimer(engine)
-    run_batch(engine, batch("warm", size, adapters, 4, True, spec))  # adapters into slots, grammar cached
+    run_batch(
+        engine, batch("warm", size, adapters, max_tokens, True, spec)
+    )  # adapters into slots, grammar cached
     timer.seconds, timer.rows = 0.0, 0
 
     ids = itertools.count()  # request ids unique across rounds
