@@ -73,6 +73,7 @@ MAX_OPTIONAL_RUN = (2000 - 7) // 4
 # Bytes that can start a token past a JSON schema's forced opening where the parser may open a structure
 # (a value, a key, a separator, a closer): each, as a one-byte token, is fed to a copy at compile time.
 _PROBE_BYTES = b'{["-0123456789tfn}],:'
+STEP_BRANCHES = 8  # alternatives a closing walk compares during a request (Closer.max_branches at compile)
 _ROW_ERROR = re.compile(r"Current row has (\d+) items; max is (\d+)")
 _ERROR_PREFIX = re.compile(r"^at \d+\(\d+\): ")
 _CacheKey = tuple[str, str, str, bool]
@@ -197,17 +198,28 @@ class GrammarMatcher:
         return plan[0]
 
     def _advance(self, closer: Closer, token_id: int, plan: list[int] | None) -> None:
-        """Follow `token_id` (consumed) in the lexical state and the closing. The closing known before it
-        is kept when it still finishes the output (its rest, if the token was its first): one cheap check
-        while the model writes a string's text; the walk runs only when the model left that closing."""
-        self._lexical = self._lexical.after(closer.token_bytes(token_id))
+        """Follow `token_id` (consumed) in the lexical state and the closing. Before walking anew, the
+        closing known before is tried: whole (the model writes a string's text, the common case), its rest
+        when the token was its first, and its bytes after the token's own when the token wrote them (or, in
+        a string, ended it as the closing would)."""
+        data = closer.token_bytes(token_id)
+        before, self._lexical = self._lexical, self._lexical.after(data)
         if plan is not None:
             rest = plan[1:] if plan and plan[0] == token_id else plan
-            # The stop token is valid only where the match is complete: this checks that it ends there.
-            if self._matcher.validate_tokens([*rest, self._stop]) == len(rest) + 1:
+            if self._finishes(rest):
                 self._plan = rest
                 return
-        self._plan = closer.closing(self._matcher, self._lexical)
+            written = closer.rest_after(plan, data, before)
+            if written is not None and self._finishes(written):
+                self._plan = written
+                return
+        # Mid-request, fewer alternatives are compared than at compile time (the walk is on the engine
+        # loop): a longer closing only steers a little earlier, and the one known before stays valid.
+        self._plan = closer.closing(self._matcher, self._lexical, branches=STEP_BRANCHES)
+
+    def _finishes(self, tokens: list[int]) -> bool:
+        """Whether `tokens` take the match from here to complete (the stop token is valid only there)."""
+        return bool(self._matcher.validate_tokens([*tokens, self._stop]) == len(tokens) + 1)
 
     @property
     def closing_tokens(self) -> int | None:

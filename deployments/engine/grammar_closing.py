@@ -76,14 +76,34 @@ class Closer:
     def token_bytes(self, token: int) -> bytes:
         return self._tokenizer.decode_bytes([token])
 
-    def closing(self, matcher: llguidance.LLMatcher, lexical: Lexical) -> list[int] | None:
+    def rest_after(self, plan: list[int], data: bytes, lexical: Lexical) -> list[int] | None:
+        """What remains of a closing (`plan`, from where `lexical` stood) after a token of bytes `data`,
+        when the token wrote the closing's first bytes: from its start, or, in a string, from the quote
+        that ended it (its earlier bytes were the string's text). None otherwise."""
+        closing = self._tokenizer.decode_bytes(plan)
+        start = 0
+        if lexical.in_string:
+            start = _string_end(data, lexical)
+            if start < 0:
+                return None
+        written = data[start:]
+        if not closing.startswith(written):
+            return None
+        return self._tokenizer.tokenize_bytes(closing[len(written) :])
+
+    def closing(
+        self, matcher: llguidance.LLMatcher, lexical: Lexical, *, branches: int | None = None
+    ) -> list[int] | None:
         """Tokens that take `matcher` (not changed) to a complete match, stop token excluded: [] when it is
-        complete already; None when no closing was found within max_bytes (or the matcher failed)."""
+        complete already; None when no closing was found within max_bytes (or the matcher failed).
+        `branches` bounds the alternatives compared (default max_branches): fewer cost less, and may
+        find a longer closing."""
         if matcher.is_error():
             return None
         if matcher.is_accepting():
             return []
-        found = self._walk(matcher.deep_copy(), lexical, [self.max_branches], self.max_bytes)
+        bound = self.max_branches if branches is None else branches
+        found = self._walk(matcher.deep_copy(), lexical, [bound], self.max_bytes)
         if found is None:
             return None
         plan = self._tokenizer.tokenize_bytes(found)
@@ -153,3 +173,17 @@ class Closer:
             if token is not None and mask[token // 8] >> (token % 8) & 1
         ]
         return allowed[:_MAX_CHOICES]
+
+
+def _string_end(data: bytes, lexical: Lexical) -> int:
+    """Where in `data` (read from inside a string, in state `lexical`) the string's closing quote is; -1
+    if it is not in `data`."""
+    escaped = lexical.escaped
+    for i, byte in enumerate(data):
+        if escaped:
+            escaped = False
+        elif byte == _BACKSLASH:
+            escaped = True
+        elif byte == _QUOTE:
+            return i
+    return -1
