@@ -23,6 +23,4 @@ class ResponsesConfig(BaseModel):
             "and is refused (400) with 'disabled'."
         ),
     )
-    max_input_items: int = Field(
-        default=1024, ge=1, description="Most items in one request's `input` list."
-    )
+    max_input_items: int = Field(default=1024, ge=1, description="Most items in one request's `input` list.")

@@ -22,7 +22,7 @@ from app.responses.request import (
     MessageItem,
     ResponseRequest,
 )
-from app.schemas.openai import ChatCompletionRequest, ChatMessage
+from app.schemas.openai import ChatCompletionRequest, ChatMessage, ToolCall
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
 _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
@@ -51,7 +51,11 @@ def parse(items: list[dict[str, Any]]) -> list[Item]:
 
 def turns(items: list[dict[str, Any]]) -> list[int]:
     """Where each turn starts (a user message): dropping whole turns keeps calls beside their outputs."""
-    return [n for n, item in enumerate(items) if item.get("type", "message") == "message" and item.get("role") == "user"]
+    return [
+        n
+        for n, item in enumerate(items)
+        if item.get("type", "message") == "message" and item.get("role") == "user"
+    ]
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,5 @@ class Conversation:
             raise InvalidParameter(f"{param}: {first.get('msg', 'invalid value')}", param=param) from None
 
 
-def _calls(calls: list[dict[str, Any]]) -> Any:
-    from app.schemas.openai import ToolCall
-
+def _calls(calls: list[dict[str, Any]]) -> list[ToolCall]:
     return [ToolCall.model_validate(c) for c in calls]

@@ -88,7 +88,9 @@ class OutputBuilder:
 
     def call_opens(self, call_id: str, name: str) -> None:
         self._close()
-        self._add(FunctionCallOut(id=item_id("fc"), call_id=call_id, name=name, arguments="", status="in_progress"))
+        self._add(
+            FunctionCallOut(id=item_id("fc"), call_id=call_id, name=name, arguments="", status="in_progress")
+        )
 
     def call_arguments(self, delta: str) -> None:
         call = self._open

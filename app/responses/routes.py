@@ -85,7 +85,7 @@ def _overflows(chat: PreparedChat, body: ResponseRequest) -> bool:
 
 
 def _within_storage(settings: Settings, body: ResponseRequest, conversation: Conversation) -> Conversation:
-    """A stored conversation is bounded (max_stored_kb): 'auto' drops the oldest turns, 'disabled' is a 400."""
+    """A stored conversation is bounded (max_stored_kb): 'auto' drops old turns, 'disabled' is a 400."""
     if not body.store:
         return conversation
     limit = settings.responses.max_stored_kb * 1024
@@ -118,9 +118,13 @@ def _created(body: ResponseRequest, request_id: str) -> ResponseObject:
         previous_response_id=body.previous_response_id,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        tool_choice=choice.model_dump() if choice is not None and not isinstance(choice, str) else choice or "auto",
+        tool_choice=choice.model_dump()
+        if choice is not None and not isinstance(choice, str)
+        else choice or "auto",
         tools=[t.model_dump(exclude_none=True) for t in body.tools or ()],
-        text={"format": {"type": "text"} if fmt is None else fmt.model_dump(exclude_none=True, by_alias=True)},
+        text={
+            "format": {"type": "text"} if fmt is None else fmt.model_dump(exclude_none=True, by_alias=True)
+        },
         truncation=body.truncation,
         user=body.user,
         metadata=body.metadata or {},

@@ -108,7 +108,9 @@ async def prepare_chat(body: ChatCompletionRequest, principal: Principal, servic
         logit_bias=logit_bias,
         structured=tools.structured or _response_format(body.response_format),
     )
-    return PreparedChat(target, prompt_ids, params, Shape(n=body.n, logprobs=logprobs, tool_names=tools.names))
+    return PreparedChat(
+        target, prompt_ids, params, Shape(n=body.n, logprobs=logprobs, tool_names=tools.names)
+    )
 
 
 @router.post("/chat/completions", response_model=None)

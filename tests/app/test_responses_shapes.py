@@ -2,6 +2,7 @@
 turn, outputs as tool messages, whole turns dropped for truncation) and the event order of a stream."""
 
 import json
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -67,7 +68,11 @@ def test_items_become_the_chat_conversation_with_calls_and_outputs() -> None:
         instructions="Be brief.",
         input=[
             {"role": "user", "content": "Weather in Oslo?"},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Checking."}],
+            },
             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
             {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
@@ -83,12 +88,15 @@ def test_items_become_the_chat_conversation_with_calls_and_outputs() -> None:
     assert (messages[3].tool_call_id, messages[3].text()) == ("call_1", "sunny")
 
 
-def test_truncation_drops_the_oldest_whole_turn() -> None:
-    turn = lambda n: [  # noqa: E731
+def turn(n: int) -> list[dict[str, Any]]:
+    return [
         {"type": "message", "role": "user", "content": f"q{n}"},
         {"type": "function_call", "call_id": f"c{n}", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": f"c{n}", "output": "x"},
     ]
+
+
+def test_truncation_drops_the_oldest_whole_turn() -> None:
     conversation = Conversation([*turn(1), *turn(2)], with_ids(request(input="now").items()))
     shorter = conversation.without_oldest_turn()
     assert shorter is not None and shorter.context == turn(2)
@@ -97,14 +105,18 @@ def test_truncation_drops_the_oldest_whole_turn() -> None:
 
 
 def test_tools_become_chat_tools_and_the_chat_checks_still_apply() -> None:
-    body = request(input="hi", tools=[{"type": "function", "name": "f"}], tool_choice={"type": "function", "name": "f"})
+    body = request(
+        input="hi", tools=[{"type": "function", "name": "f"}], tool_choice={"type": "function", "name": "f"}
+    )
     chat = Conversation([], with_ids(body.items())).chat_request(body)
     assert chat.tools is not None and chat.tools[0].function.name == "f"
     assert chat.tool_choice is not None and not isinstance(chat.tool_choice, str)
     assert chat.tool_choice.function.name == "f"
     # Each schema is within its own bound; together they pass the chat path's bound on all tools.
     schema = {"type": "object", "description": "x" * 30_000}
-    many = request(input="hi", tools=[{"type": "function", "name": f"f{n}", "parameters": schema} for n in range(5)])
+    many = request(
+        input="hi", tools=[{"type": "function", "name": f"f{n}", "parameters": schema} for n in range(5)]
+    )
     with pytest.raises(InvalidParameter) as refused:
         Conversation([], with_ids(many.items())).chat_request(many)
     assert refused.value.param == "tools" and refused.value.status == 400
