@@ -14,10 +14,10 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from app.choices import Choices
-from app.engine_stream import uncancellable
+from app.completions.choices import Choices
+from app.completions.engine_stream import uncancellable
+from app.completions.generation import Generation
 from app.errors import to_api_error
-from app.generation import Generation
 from app.metering.request_record import RequestStatus
 from app.responses.conversation import Conversation
 from app.responses.objects import (

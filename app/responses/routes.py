@@ -13,7 +13,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from app.authenticator import Principal
+from app.auth.authenticator import Principal
 from app.deps import ReaderDep, RequestIdDep, ServicesDep, TenantDep
 from app.errors import APIError, InvalidParameter, NotFound
 from app.responses.conversation import PARAMS, Conversation, with_ids

@@ -168,7 +168,8 @@ def test_required_tools_call_then_continue_with_the_output_reusing_the_prefix(cl
     calls = [item for item in first.output if item.type == "function_call"]
     assert first.status == "completed" and len(calls) == 1, first.output
     call = calls[0]
-    assert call.name == "get_weather" and call.call_id.startswith("call_") and (call.id or "").startswith("fc_")
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert (call.id or "").startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     second = client.responses.create(
         model=MODEL,
