@@ -63,15 +63,18 @@ async def _create(
         if previous is None:
             raise _missing(body.previous_response_id, "previous_response_id")
         context = previous.chain()
-    conversation = _within_storage(settings, body, Conversation(context, with_ids(body.items())))
-    chat_body = conversation.chat_request(body)
+    # A stored chain runs to max_stored_kb of JSON: sized, parsed and rendered off the event loop.
+    conversation = await run_in_threadpool(
+        _within_storage, settings, body, Conversation(context, with_ids(body.items()))
+    )
+    chat_body = await run_in_threadpool(conversation.chat_request, body)
     chat = await prepare_chat(chat_body, principal, services)
     while body.truncation == "auto" and _overflows(chat, body):
         shorter = conversation.without_oldest_turn()
         if shorter is None:
             break  # the request's own input is too long: the context check refuses it, naming input
         conversation = shorter
-        chat_body = conversation.chat_request(body)
+        chat_body = await run_in_threadpool(conversation.chat_request, body)
         chat = await prepare_chat(chat_body, principal, services)
     response = _created(body, request_id)
     generation = ResponseGeneration.begin(services, principal, chat.target, request_id, "chat", chat_body)
