@@ -57,7 +57,7 @@ def _served_parts(value: Any) -> Any:
     if isinstance(value, list):
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in UNSERVED_CONTENT:
+            if isinstance(kind, str) and kind in UNSERVED_CONTENT:
                 raise ValueError(
                     f"{UNSERVED_CONTENT[kind]} inputs ({kind}) are not supported: the models served here "
                     "read text only"

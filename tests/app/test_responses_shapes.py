@@ -128,6 +128,7 @@ def test_tools_become_chat_tools_and_the_chat_checks_still_apply() -> None:
         {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
         {"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": []}]},
         {"input": "hi", "background": True},
+        {"input": [{"role": "user", "content": [{"type": {}, "text": ""}]}]},  # unhashable: found by fuzzing
         {"input": ""},
         {"input": "hi", "metadata": {str(n): "v" for n in range(17)}},
     ],
