@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adapters.store import store_location
 from app.private_files import publish_secret
+from app.responses.config import ResponsesConfig
 from app.schemas.openai import MAX_PROMPTS
 from billing.db import PoolConfig
 from deployments.engine.interface import MAX_N
@@ -175,6 +176,11 @@ class Settings(BaseSettings):
             "Most prompts in one /v1/completions request (`prompt` as a list); each runs n choices, all "
             "in one engine request."
         ),
+    )
+
+    responses: ResponsesConfig = Field(
+        default_factory=ResponsesConfig,
+        description='The Responses API\'s stored responses, as JSON: {"retention_days": 30, ...}.',
     )
 
     @field_validator("admin_key")

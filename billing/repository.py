@@ -1,7 +1,8 @@
 """Queries over a Session, keyword-only, raising billing.errors.
 
 Functions flush but never commit: the caller owns the transaction (billing.db.session_scope). Rows are
-never deleted, since usage history refers to tenants and keys. Uniqueness is checked before writing, so
+never deleted, since usage history refers to tenants and keys; a disabled tenant's stored responses (its
+content, not its history) are. Uniqueness is checked before writing, so
 the usual conflict is a domain error; two writers racing past the check get the database's IntegrityError.
 """
 
@@ -12,7 +13,7 @@ from decimal import Decimal, InvalidOperation
 from enum import Enum
 from typing import Final, Literal
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from billing.errors import (
@@ -25,7 +26,7 @@ from billing.errors import (
     TierExists,
     TierNotFound,
 )
-from billing.models import LIMIT_FIELDS, ApiKey, Tenant, TenantStatus, Tier, utcnow
+from billing.models import LIMIT_FIELDS, ApiKey, StoredResponse, Tenant, TenantStatus, Tier, utcnow
 
 
 class _Unset(Enum):
@@ -324,7 +325,8 @@ def _assign(row: Tier | Tenant, field: str, value: object) -> None:
 
 
 def disable_tenant(s: Session, *, tenant_id: str) -> Tenant:
-    """Disable the tenant and revoke its keys. Idempotent: a second call changes nothing."""
+    """Disable the tenant, revoke its keys and delete its stored responses (the Responses API's). Idempotent:
+    a second call changes nothing."""
     tenant = get_tenant(s, tenant_id=tenant_id)
     if tenant.status != TenantStatus.DISABLED:
         now = utcnow()
@@ -335,6 +337,7 @@ def disable_tenant(s: Session, *, tenant_id: str) -> Tenant:
             .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
             .values(revoked_at=now)
         )
+        s.execute(delete(StoredResponse).where(StoredResponse.tenant_id == tenant_id))
     s.flush()
     return tenant
 

@@ -86,6 +86,16 @@ class EngineStream:
                 await self._stop()
         except Exception as error:  # TimeoutError included
             log.warning("request %s: no final usage from its engine: %r", self.request.request_id, error)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the caller itself is cancelled
+            # The stream was cancelled under us: Serve cancels a cancelled HTTP request's calls to the
+            # engine (its child requests), which is how a client that leaves often arrives. Bill what was
+            # seen rather than lose the request's record.
+            log.info(
+                "request %s: its engine stream was cancelled; billing what it saw", self.request.request_id
+            )
         await self.close()
         return self.last
 
@@ -120,3 +130,7 @@ class EngineStream:
             await self._outputs.aclose()
         except Exception as error:  # closing a stream whose replica is gone: nothing left to stop
             log.debug("closing engine stream of %s: %r", self.request.request_id, error)
+        except asyncio.CancelledError:  # a stream Serve cancelled under us (see stop): already ended
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -104,7 +104,7 @@ class Generation:
         request_id: str,
         kind: Kind,
         body: SamplingFields,
-    ) -> "Generation":
+    ) -> Self:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # Not reset here: the middleware's reset ends the request's log context, after the stream.
         log_context.bind(model=target.name, adapter=None if target.adapter is None else str(target.adapter))

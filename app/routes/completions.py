@@ -8,12 +8,14 @@ app/completions/choices.py shapes what comes back.
 """
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from app.auth.authenticator import Principal
 from app.completions import tool_calls
 from app.completions.choices import Shape
 from app.completions.generation import Generation
@@ -29,6 +31,7 @@ from app.schemas.openai import (
     ResponseFormatJsonSchema,
     SamplingFields,
 )
+from app.services import Services, Target
 from app.settings import Settings
 from deployments.engine.interface import SamplingParams, StructuredOutput
 
@@ -92,10 +95,19 @@ def _response_format(response_format: ResponseFormat | None) -> StructuredOutput
     return None
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
-) -> JSONResponse | StreamingResponse:
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request, checked and templated: what its Generation runs."""
+
+    target: Target
+    prompt_ids: list[int]
+    params: SamplingParams
+    shape: Shape
+
+
+async def prepare_chat(body: ChatCompletionRequest, principal: Principal, services: Services) -> PreparedChat:
+    """Bounds, tools, structured output and the template, as /v1/chat/completions (and /v1/responses,
+    which runs as a chat request) check and apply them."""
     settings = services.settings
     limit = settings.max_messages
     if len(body.messages) > limit:
@@ -116,9 +128,17 @@ async def chat_completions(
         logit_bias=logit_bias,
         structured=tools.structured or _response_format(body.response_format),
     )
-    generation = Generation.begin(services, principal, target, request_id, "chat", body)
     shape = Shape(n=body.n, logprobs=logprobs, tool_names=tools.names)
-    return await generation.respond([prompt_ids], params, shape)
+    return PreparedChat(target, prompt_ids, params, shape)
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
+) -> JSONResponse | StreamingResponse:
+    chat = await prepare_chat(body, principal, services)
+    generation = Generation.begin(services, principal, chat.target, request_id, "chat", body)
+    return await generation.respond([chat.prompt_ids], chat.params, chat.shape)
 
 
 def _echoes(prompts: PromptBuilder, texts: list[str] | list[list[int]]) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 - base: Base (its MetaData and naming convention), new_id, utcnow and the UTCDateTime column type;
 - tier: Tier and LIMIT_FIELDS;  tenant: Tenant and TenantStatus;  api_key: ApiKey;
 - adapter: the adapter registry (Adapter, AdapterVersion, PUBLIC_OWNER);
-- usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport.
+- usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport;
+- stored_response: StoredResponse (the Responses API's stored responses).
 
 Importing this package imports every module, so Base.metadata holds every table (migrations/env.py relies
 on it) and foreign keys named as strings ("tenants.id") resolve; import the names from here.
@@ -23,6 +24,7 @@ from billing.models.adapter import PUBLIC_OWNER, Adapter, AdapterVersion
 from billing.models.usage import UsageEvent, UsageRollup
 from billing.models.stripe_export import StripeExport
 from billing.models.engine_report import EngineReport
+from billing.models.stored_response import StoredResponse
 # isort: on
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "ApiKey",
     "Base",
     "EngineReport",
+    "StoredResponse",
     "StripeExport",
     "Tenant",
     "TenantStatus",

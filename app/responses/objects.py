@@ -1,0 +1,92 @@
+"""The response object of the Responses API and its output items, as served, stored and streamed."""
+
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+def item_id(kind: str) -> str:
+    """`msg_...` for messages, `fc_...` for function calls: ids of items within responses."""
+    return f"{kind}_{secrets.token_hex(16)}"
+
+
+class OutputTextPart(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class MessageOut(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus
+    content: list[OutputTextPart]
+
+
+class FunctionCallOut(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str  # JSON text of an object
+    status: ItemStatus
+
+
+OutputItem = MessageOut | FunctionCallOut
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: ResponseStatus
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    temperature: float
+    top_p: float
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    truncation: Literal["auto", "disabled"]
+    usage: ResponseUsage | None = None
+    user: str | None
+    metadata: dict[str, str]
+    store: bool
+    background: bool = False

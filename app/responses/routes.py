@@ -1,0 +1,182 @@
+"""POST /v1/responses, and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items.
+
+Creating a response runs as a chat request (app/routes/completions.prepare_chat): the same bounds, tools,
+grammar, rate limits and metering; errors that chat would name by its fields name the Responses fields.
+A continuation (`previous_response_id`) reads its chain from the store and, with truncation 'auto', drops
+its oldest turns until the prompt leaves room for the output (and, when stored, fits max_stored_kb).
+"""
+
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from app.auth.authenticator import Principal
+from app.deps import ReaderDep, RequestIdDep, ServicesDep, TenantDep
+from app.errors import APIError, InvalidParameter, NotFound
+from app.responses.conversation import PARAMS, Conversation, with_ids
+from app.responses.generation import ResponseGeneration
+from app.responses.objects import ResponseObject
+from app.responses.request import ResponseRequest
+from app.responses.store import ResponseStore, Stored
+from app.routes.completions import PreparedChat, prepare_chat
+from app.routes.guarded import TenantRoute
+from app.services import Services
+from app.settings import Settings
+
+router = APIRouter(prefix="/v1", tags=["responses"], route_class=TenantRoute)
+
+
+def _store(services: Services) -> ResponseStore:
+    return ResponseStore(services.session_factory, services.settings.responses)
+
+
+def _missing(response_id: str, param: str | None = None) -> NotFound:
+    """The same answer for an id that never existed, expired, was deleted or is another tenant's."""
+    return NotFound(f"No response with id '{response_id[:64]}' was found.", param=param)
+
+
+@router.post("/responses", response_model=None)
+async def create_response(
+    body: ResponseRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
+) -> JSONResponse | StreamingResponse:
+    try:
+        return await _create(body, principal, services, request_id)
+    except APIError as error:
+        error.param = PARAMS.get(error.param or "", error.param)
+        raise
+
+
+async def _create(
+    body: ResponseRequest, principal: Principal, services: Services, request_id: str
+) -> JSONResponse | StreamingResponse:
+    settings = services.settings
+    if isinstance(body.input, list) and len(body.input) > settings.responses.max_input_items:
+        message = f"input has {len(body.input):,} items; at most {settings.responses.max_input_items:,}"
+        raise InvalidParameter(message, param="input", code="too_many_items")
+    store = _store(services)
+    context: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        previous = await run_in_threadpool(store.get, principal.tenant_id, body.previous_response_id)
+        if previous is None:
+            raise _missing(body.previous_response_id, "previous_response_id")
+        context = previous.chain()
+    # A stored chain runs to max_stored_kb of JSON: sized, parsed and rendered off the event loop.
+    conversation = await run_in_threadpool(
+        _within_storage, settings, body, Conversation(context, with_ids(body.items()))
+    )
+    chat_body = await run_in_threadpool(conversation.chat_request, body)
+    chat = await prepare_chat(chat_body, principal, services)
+    while body.truncation == "auto" and _overflows(chat, body):
+        shorter = conversation.without_oldest_turn()
+        if shorter is None:
+            break  # the request's own input is too long: the context check refuses it, naming input
+        conversation = shorter
+        chat_body = await run_in_threadpool(conversation.chat_request, body)
+        chat = await prepare_chat(chat_body, principal, services)
+    response = _created(body, request_id)
+    generation = ResponseGeneration.begin(services, principal, chat.target, request_id, "chat", chat_body)
+    generation.prepared(response, conversation, store)
+    return await generation.respond([chat.prompt_ids], chat.params, chat.shape)
+
+
+def _overflows(chat: PreparedChat, body: ResponseRequest) -> bool:
+    """Whether the prompt leaves no room for the output asked for (at least one token)."""
+    return len(chat.prompt_ids) + (body.max_output_tokens or 1) > chat.target.base.max_model_len
+
+
+def _within_storage(settings: Settings, body: ResponseRequest, conversation: Conversation) -> Conversation:
+    """A stored conversation is bounded (max_stored_kb): 'auto' drops old turns, 'disabled' is a 400."""
+    if not body.store:
+        return conversation
+    limit = settings.responses.max_stored_kb * 1024
+    while conversation.size() > limit:
+        shorter = conversation.without_oldest_turn() if body.truncation == "auto" else None
+        if shorter is None:
+            message = (
+                f"This conversation would take more than {settings.responses.max_stored_kb:,} KB to store; "
+                "send truncation 'auto' to drop its oldest turns, store false, or start a new one."
+            )
+            param = "previous_response_id" if conversation.context else "input"
+            raise InvalidParameter(message, param=param, code="conversation_too_large")
+        conversation = shorter
+    return conversation
+
+
+def _created(body: ResponseRequest, request_id: str) -> ResponseObject:
+    """The response as it starts: in progress, no output, the request's settings echoed."""
+    fmt = body.text.format if body.text is not None else None
+    choice = body.tool_choice
+    return ResponseObject(
+        id=f"resp_{request_id.removeprefix('req_')}",
+        created_at=int(time.time()),
+        status="in_progress",
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        model=body.model,
+        output=[],
+        parallel_tool_calls=body.parallel_tool_calls,
+        previous_response_id=body.previous_response_id,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        tool_choice=choice.model_dump()
+        if choice is not None and not isinstance(choice, str)
+        else choice or "auto",
+        tools=[t.model_dump(exclude_none=True) for t in body.tools or ()],
+        text={
+            "format": {"type": "text"} if fmt is None else fmt.model_dump(exclude_none=True, by_alias=True)
+        },
+        truncation=body.truncation,
+        user=body.user,
+        metadata=body.metadata or {},
+        store=body.store,
+    )
+
+
+async def _stored(services: Services, principal: Principal, response_id: str) -> Stored:
+    stored = await run_in_threadpool(_store(services).get, principal.tenant_id, response_id)
+    if stored is None:
+        raise _missing(response_id)
+    return stored
+
+
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, principal: ReaderDep, services: ServicesDep) -> JSONResponse:
+    return JSONResponse((await _stored(services, principal, response_id)).body)
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, principal: ReaderDep, services: ServicesDep) -> JSONResponse:
+    if not await run_in_threadpool(_store(services).delete, principal.tenant_id, response_id):
+        raise _missing(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.get("/responses/{response_id}/input_items")
+async def input_items(
+    response_id: str,
+    principal: ReaderDep,
+    services: ServicesDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: Annotated[str | None, Query(max_length=256)] = None,
+) -> JSONResponse:
+    """This response's own input items (not its chain's), newest first unless order is asc."""
+    items = (await _stored(services, principal, response_id)).input_items
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
