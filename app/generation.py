@@ -30,6 +30,7 @@ from app.closing_stream_response import ClosingStreamingResponse
 from app.engine_stream import EngineStream, uncancellable
 from app.errors import InvalidParameter, ModelNotFound, TooManySequences, to_api_error
 from app.metering.request_record import RequestRecord, RequestStatus
+from app.schemas.extensions import sampling_extensions
 from app.schemas.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -61,20 +62,24 @@ MAX_ATTEMPTS = 3  # a request whose replica is lost before its client saw output
 STOP_WAIT_S = 5.0  # how long a leaving client's request may take to report its final usage
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, **more: Any) -> SamplingParams:
-    """OpenAI defaults where the request is silent (temperature 1, top_p 1); `more` sets the rest (n,
-    logprobs, logit_bias, structured output), which each route reads from its own fields."""
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, *, vocab_size: int, **more: Any
+) -> SamplingParams:
+    """OpenAI defaults where the request is silent (temperature 1, top_p 1); vLLM's extensions as
+    app/schemas/extensions.py reads them; `more` sets the rest (n, logprobs, logit_bias, structured output),
+    which each route reads from its own fields."""
+    extensions = sampling_extensions(
+        body, vocab_size=vocab_size, max_tokens=max_tokens, structured=more.get("structured") is not None
+    )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         seed=body.seed,
         stop=tuple(body.stop_list),
+        **extensions,
         **more,
     )
 
@@ -101,6 +106,7 @@ class Generation:
     kind: Kind
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: the usage so far on every chunk
     started: float = field(default_factory=time.monotonic)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     admission: Admission | None = None
@@ -123,10 +129,12 @@ class Generation:
         kind: Kind,
         body: SamplingFields,
     ) -> "Generation":
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
         # Not reset here: the middleware's reset ends the request's log context, after the stream.
         log_context.bind(model=target.name, adapter=None if target.adapter is None else str(target.adapter))
-        return cls(services, principal, target, request_id, kind, body.stream, include_usage)
+        return cls(services, principal, target, request_id, kind, body.stream, include_usage, continuous)
 
     async def respond(
         self, prompts: list[list[int]], params: SamplingParams, shape: Shape | None = None
@@ -379,7 +387,7 @@ class Generation:
             self.client_has_output = True
             if self.kind == "chat":
                 for opening in choices.opening():
-                    yield _event(self._chunk(created, opening))
+                    yield _event(self._chunk(created, opening, first.usage))
             out: RequestOutput | None = first
             while out is not None:
                 last = out
@@ -413,12 +421,15 @@ class Generation:
 
     def _events(self, created: int, choices: Choices, out: RequestOutput) -> list[str]:
         """The stream's events for one output, shaped and rendered."""
-        return [_event(self._chunk(created, choice)) for choice in choices.chunk(out)]
+        return [_event(self._chunk(created, choice, out.usage)) for choice in choices.chunk(out)]
 
-    def _chunk(self, created: int, choice: ChatChunkChoice | CompletionChoice) -> dict[str, Any]:
+    def _chunk(
+        self, created: int, choice: ChatChunkChoice | CompletionChoice, usage: RequestUsage | None = None
+    ) -> dict[str, Any]:
+        so_far = usage_block(usage) if self.continuous_usage else None
         if isinstance(choice, ChatChunkChoice):
             chat = ChatCompletionChunk(
-                id=self.request_id, created=created, model=self.target.name, choices=[choice]
+                id=self.request_id, created=created, model=self.target.name, choices=[choice], usage=so_far
             ).model_dump()
             delta = chat["choices"][0]["delta"]
             if delta["tool_calls"] is not None:  # only what each piece says: the SDK joins them by index
@@ -427,7 +438,7 @@ class Generation:
                 ]
             return chat
         return Completion(
-            id=self.request_id, created=created, model=self.target.name, choices=[choice]
+            id=self.request_id, created=created, model=self.target.name, choices=[choice], usage=so_far
         ).model_dump()
 
     def _usage_chunk(self, created: int, last: RequestOutput) -> dict[str, Any]:

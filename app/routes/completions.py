@@ -91,6 +91,7 @@ async def chat_completions(
     params = sampling_params(
         body,
         body.output_limit,
+        vocab_size=target.base.prompts.vocab_size,
         n=body.n,
         logprobs=logprobs,
         logit_bias=logit_bias,
@@ -131,6 +132,7 @@ async def completions(
     params = sampling_params(
         body,
         body.output_limit,
+        vocab_size=prompts.vocab_size,
         n=body.n,
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs,

@@ -47,6 +47,7 @@ class OutputAssembler:
                 seq.prompt_ids,
                 stop=seq.params.stop,
                 skip_special_tokens=seq.params.skip_special_tokens,
+                min_tokens=seq.params.min_tokens,
             )
 
     def step_outputs(
