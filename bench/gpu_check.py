@@ -13,6 +13,9 @@ Steps, each bounded in time and recorded even when it fails (DIR/gpu_check.json,
   lora_bf16    - bench.multi_lora --device cuda on bench-1b (TinyLlama's shape), adapters vs base and the step
                  against its weight-read floor, with ours-base vs HF generate;
   lora_nf4     - the same in nf4 (bitsandbytes);
+  awq          - bench.awq_step: bench-1b exported to AWQ here, through our int4 linear (no gptqmodel on the
+                 GPU image): the linear against the dequantized reference, each side (fused GEMM,
+                 dequantize + matmul) at 1-256 rows with its time, and the decode step vs bf16 at batch 32;
   kernel_bench - bench.gpu_kernels (each kernel against its torch reference, bench-1b shapes).
 `--tiny` runs every step on the CPU, smallest, so the script cannot rot without a GPU.
 The last line is one JSON object.
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 # In order of what a short loan must not miss: correctness, then the headline benches.
-STEPS = ("env", "correctness", "lora_bf16", "lora_nf4", "kernel_bench", "host", "kernels")
+STEPS = ("env", "correctness", "lora_bf16", "lora_nf4", "awq", "kernel_bench", "host", "kernels")
 
 
 def env_info() -> dict[str, Any]:
@@ -255,6 +258,7 @@ def main() -> None:
             ],
             240,
         ),
+        "awq": lambda: run_module(["bench.awq_step", *(tiny or ["--device", "cuda", "--rounds", "3"])], 180),
         "kernel_bench": lambda: run_module(
             ["bench.gpu_kernels", *tiny, *([] if not args.kernels else ["--only", args.kernels])], 120
         ),

@@ -43,7 +43,13 @@ BENCHES = {
         "local_ms",
         "ratio_cold_vs_hit_fresh",
     },
-    "structured": {"throughput_ratio", "compile_p50_ms", "compile_p99_ms", "mask_us_per_token"},
+    "structured": {
+        "throughput_ratio",
+        "compile_p50_ms",
+        "compile_p99_ms",
+        "mask_us_per_token",
+        "closing_us_per_token",
+    },
     "parsing": {"openings", "ratio_regex_vs_one_pass", "stream_s", "prompt_ids", "ratio_union_vs_validate"},
     "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},
     "http_load": {"engine", "platform", "overhead", "metering", "errors", "capacity_rps", "rate_rps"},
@@ -56,6 +62,7 @@ BENCHES = {
     },
     "host_overhead": {"step_ms", "lora_vs_base", "phases_ms", "torch_ops_per_step"},
     "gpu_check": {"env", "correctness", "host"},
+    "awq_step": {"linear", "step_ms", "step_ratio_vs_bf16"},
     "multi_tenant": {
         "throughput_vs_resident",
         "ttft_p99_vs_resident",
@@ -73,7 +80,6 @@ RUN_ELSEWHERE = {
 HELPERS = {
     "__init__",
     "assets",
-    "load_faults",
     "locustfile",
     "ray_ops",
     "measure",

@@ -11,6 +11,7 @@ from deployments.engine.cpu_features import cpu_features
 
 Quantization = Literal["none", "nf4", "int8", "awq"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+AwqKernel = Literal["auto", "ours", "gptqmodel"]
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_LORA_TARGETS: tuple[str, ...] = (
@@ -36,6 +37,24 @@ class EngineConfig(BaseModel):
     quantization: Quantization = Field(
         default="none",
         description="Base weights: none (dtype below), bitsandbytes nf4 or int8, or an AWQ checkpoint.",
+    )
+    awq_kernel: AwqKernel = Field(
+        default="auto",
+        description=(
+            "Which code runs an AWQ base's int4 linears. ours: our AwqLinear on the checkpoint's packed "
+            "tensors (Triton kernels on CUDA, inside the decode graphs; a torch dequantize on a CPU without "
+            "Triton). gptqmodel: transformers' AWQ loading through gptqmodel (CPU int4 kernel). auto: ours "
+            "on CUDA or where gptqmodel is not installed, gptqmodel otherwise."
+        ),
+    )
+    awq_fused_max_rows: int = Field(
+        default=16,
+        ge=0,
+        description=(
+            "Our AWQ linear runs its fused int4 GEMM for calls of at most this many token rows (decode "
+            "buckets) and dequantize-once + one dense matmul above it; bench.gpu_check's awq step measures "
+            "both sides."
+        ),
     )
     dtype: DTypeName = Field(
         default="auto",

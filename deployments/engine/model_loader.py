@@ -1,9 +1,11 @@
 """Load a HuggingFace causal LM once, resident, in the configured precision, and wrap it for multi-LoRA.
 
 transformers owns architectures, weights and quantized linears (bitsandbytes nf4/int8, AWQ through
-gptqmodel); we only swap in our paged attention by name and wrap the LoRA target linears afterwards.
+gptqmodel on the CPU); we only swap in our paged attention by name and wrap the LoRA target linears
+afterwards. AWQ on CUDA, or without gptqmodel, loads through awq_loader.py (our int4 linear).
 """
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ from transformers import (
 )
 
 from deployments.engine.attention import register_paged_attention
+from deployments.engine.awq_loader import load_awq_model
 from deployments.engine.config import EngineConfig
 from deployments.engine.lora_layers import LoRAContext, MultiLoRALinear, wrap_lora_modules
 
@@ -68,6 +71,14 @@ def _check_checkpoint(config: EngineConfig, hf_config: PretrainedConfig) -> None
         raise ValueError(f"{config.model} is pre-quantized ({method}); set quantization to match")
 
 
+def _awq_ours(config: EngineConfig, device: torch.device) -> bool:
+    """Our AWQ linear on CUDA (gptqmodel is absent from the GPU image and its kernels are not captured) or
+    where gptqmodel is not installed; gptqmodel's CPU int4 kernel otherwise, unless the config names one."""
+    if config.awq_kernel != "auto":
+        return config.awq_kernel == "ours"
+    return device.type == "cuda" or importlib.util.find_spec("gptqmodel") is None
+
+
 def _eos_ids(tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig | None) -> frozenset[int]:
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
@@ -109,13 +120,23 @@ def load_model(config: EngineConfig) -> LoadedModel:
     quantization = _quantization_config(config, dtype)
     # Passing quantization_config=None would override (drop) an AWQ checkpoint's own config.
     extra = {} if quantization is None else {"quantization_config": quantization}
-    model = AutoModelForCausalLM.from_pretrained(
-        config.model,
-        dtype=dtype,
-        attn_implementation=register_paged_attention(),
-        device_map={"": device},
-        **extra,
-    )
+    model: PreTrainedModel
+    if config.quantization == "awq" and _awq_ours(config, device):
+        model = load_awq_model(
+            config.model,
+            dtype=dtype,
+            device=device,
+            attn_implementation=register_paged_attention(),
+            fused_max_rows=config.awq_fused_max_rows,
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            config.model,
+            dtype=dtype,
+            attn_implementation=register_paged_attention(),
+            device_map={"": device},
+            **extra,
+        )
     model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
     weights_bytes = int(model.get_memory_footprint())  # type: ignore[no-untyped-call]
 
