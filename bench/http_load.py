@@ -19,11 +19,8 @@ Reported per peer: TTFT and ITL p50/p99, throughput (requests/s and output token
 platform/engine ratios; and the metering check: usage rows (GET /admin/usage) equal to requests sent, and
 their prompt/completion tokens equal to what the clients were told.
 
-Why not GuideLLM (0.8.1; it installs beside torch 2.13.0 in a venv of its own, not in this one: it pins
-click~=8.4 and its sanic needs multidict<7): its OpenAI backend sends one `model` per run, so it cannot
-replay a Zipf mix over many adapters in one trace; and streamed, it always sends vLLM's
-`stream_options.continuous_usage_stats` (and `ignore_eos` when the data fixes output lengths), fields this
-API refuses (400: unknown fields are errors here), so every request of a run failed.
+GuideLLM and AIPerf run the same kind of load through their own clients in bench.external_clients (their
+OpenAI backends send one `model` per run, so they cannot replay this Zipf mix over many adapters).
 Run: python -m bench.http_load [--tiny] [--adapters 12] [--requests 80] [--load 0.5]; the last line is one
 JSON object.
 """

@@ -72,7 +72,11 @@ BENCHES = {
         "slots",
     },
 }
-RUN_ELSEWHERE = {"load_test": "tests/e2e/test_load_and_faults.py"}
+RUN_ELSEWHERE = {
+    "load_test": "tests/e2e/test_load_and_faults.py",
+    # makes the load tools' virtualenvs on a fresh machine first: longer than this file's limit
+    "external_clients": "tests/test_external_clients.py",
+}
 HELPERS = {
     "__init__",
     "assets",

@@ -83,6 +83,7 @@ class Generation:
     kind: Kind
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: the usage so far on every chunk
     started: float = field(default_factory=time.monotonic)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     admission: Admission | None = None
@@ -105,10 +106,12 @@ class Generation:
         kind: Kind,
         body: SamplingFields,
     ) -> Self:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
         # Not reset here: the middleware's reset ends the request's log context, after the stream.
         log_context.bind(model=target.name, adapter=None if target.adapter is None else str(target.adapter))
-        return cls(services, principal, target, request_id, kind, body.stream, include_usage)
+        return cls(services, principal, target, request_id, kind, body.stream, include_usage, continuous)
 
     async def respond(
         self, prompts: list[list[int]], params: SamplingParams, shape: Shape | None = None
@@ -361,7 +364,7 @@ class Generation:
             self.client_has_output = True
             if self.kind == "chat":
                 for opening in choices.opening():
-                    yield _event(self._chunk(created, opening))
+                    yield _event(self._chunk(created, opening, first.usage))
             out: RequestOutput | None = first
             while out is not None:
                 last = out
@@ -395,12 +398,15 @@ class Generation:
 
     def _events(self, created: int, choices: Choices, out: RequestOutput) -> list[str]:
         """The stream's events for one output, shaped and rendered."""
-        return [_event(self._chunk(created, choice)) for choice in choices.chunk(out)]
+        return [_event(self._chunk(created, choice, out.usage)) for choice in choices.chunk(out)]
 
-    def _chunk(self, created: int, choice: ChatChunkChoice | CompletionChoice) -> dict[str, Any]:
+    def _chunk(
+        self, created: int, choice: ChatChunkChoice | CompletionChoice, usage: RequestUsage | None = None
+    ) -> dict[str, Any]:
+        so_far = usage_block(usage) if self.continuous_usage else None
         if isinstance(choice, ChatChunkChoice):
             chat = ChatCompletionChunk(
-                id=self.request_id, created=created, model=self.target.name, choices=[choice]
+                id=self.request_id, created=created, model=self.target.name, choices=[choice], usage=so_far
             ).model_dump()
             delta = chat["choices"][0]["delta"]
             if delta["tool_calls"] is not None:  # only what each piece says: the SDK joins them by index
@@ -409,7 +415,7 @@ class Generation:
                 ]
             return chat
         return Completion(
-            id=self.request_id, created=created, model=self.target.name, choices=[choice]
+            id=self.request_id, created=created, model=self.target.name, choices=[choice], usage=so_far
         ).model_dump()
 
     def _usage_chunk(self, created: int, last: RequestOutput) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from app.responses.request import (
     MessageItem,
     ResponseRequest,
 )
+from app.schemas.extensions import VllmSampling
 from app.schemas.openai import ChatCompletionRequest, ChatMessage, ToolCall
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
@@ -104,6 +105,7 @@ class Conversation:
             "parallel_tool_calls": body.parallel_tool_calls,
             "user": body.user,
             "stream": body.stream,
+            **body.model_dump(include=set(VllmSampling.model_fields), exclude_unset=True),
         }
         if body.tools:
             fields["tools"] = [

@@ -16,10 +16,10 @@ from pydantic import (
     field_validator,
 )
 
+from app.schemas.extensions import MAX_TOKENS_BOUND, VllmSampling
 from app.schemas.openai import (
     MAX_ARGUMENTS_CHARS,
     MAX_DESCRIPTION_CHARS,
-    MAX_TOKENS_BOUND,
     MAX_TOOLS,
     Id,
     ToolName,
@@ -170,7 +170,8 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
-class ResponseRequest(_Request):
+# vLLM's extensions too, with their meaning on chat (GuideLLM sends ignore_eos here).
+class ResponseRequest(VllmSampling, _Request):
     model: str = Field(min_length=1, max_length=256, description="A base model or one of your adapters.")
     input: str | list[InputItem] = Field(description="Text, or a list of messages and function call items.")
     instructions: str | None = Field(

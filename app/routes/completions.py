@@ -23,6 +23,7 @@ from app.completions.prompts import PromptBuilder
 from app.deps import RequestIdDep, ServicesDep, TenantDep
 from app.errors import InvalidParameter
 from app.routes.guarded import TenantRoute
+from app.schemas.extensions import sampling_extensions
 from app.schemas.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,20 +40,24 @@ router = APIRouter(prefix="/v1", tags=["inference"], route_class=TenantRoute)
 ANY_OBJECT = '{"type": "object"}'
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, **more: Any) -> SamplingParams:
-    """OpenAI defaults where the request is silent (temperature 1, top_p 1); `more` sets the rest (n,
-    logprobs, logit_bias, structured output), which each route reads from its own fields."""
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, *, vocab_size: int, **more: Any
+) -> SamplingParams:
+    """OpenAI defaults where the request is silent (temperature 1, top_p 1); vLLM's extensions as
+    app/schemas/extensions.py reads them; `more` sets the rest (n, logprobs, logit_bias, structured output),
+    which each route reads from its own fields."""
+    extensions = sampling_extensions(
+        body, vocab_size=vocab_size, max_tokens=max_tokens, structured=more.get("structured") is not None
+    )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         seed=body.seed,
         stop=tuple(body.stop_list),
+        **extensions,
         **more,
     )
 
@@ -123,6 +128,7 @@ async def prepare_chat(body: ChatCompletionRequest, principal: Principal, servic
     params = sampling_params(
         body,
         body.output_limit,
+        vocab_size=target.base.prompts.vocab_size,
         n=body.n,
         logprobs=logprobs,
         logit_bias=logit_bias,
@@ -171,6 +177,7 @@ async def completions(
     params = sampling_params(
         body,
         body.output_limit,
+        vocab_size=prompts.vocab_size,
         n=body.n,
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs,

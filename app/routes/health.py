@@ -1,4 +1,5 @@
-"""GET /healthz: the process is up and serving HTTP. GET /readyz: it can serve requests now (the models
+"""GET /healthz (and /health, vLLM's name, which load tools such as GuideLLM probe before a run): the
+process is up and serving HTTP. GET /readyz: it can serve requests now (the models
 are loaded, the database and the rate limiter answer); 503 in the OpenAI error shape otherwise. It names
 each check (every base model among them) unless this listener keeps them to itself
 (`public_readiness_checks` off on the tenant port): then only ready or not."""
@@ -14,6 +15,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
+@router.get("/health", include_in_schema=False)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 

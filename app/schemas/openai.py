@@ -18,12 +18,8 @@ from pydantic import (
     model_validator,
 )
 
-from deployments.engine.interface import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_N,
-    MIN_REPETITION_PENALTY,  # the sampler's float32 floor
-)
+from app.schemas.extensions import MAX_TOKENS_BOUND, ChatClientDefaults, ClientDefaults, VllmSampling
+from deployments.engine.interface import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 MAX_STOP = 4  # as OpenAI
 MAX_TOOLS = 128  # as OpenAI
@@ -35,10 +31,6 @@ MAX_COMPLETIONS_LOGPROBS = 5  # as OpenAI's /v1/completions
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # function and json_schema names, as OpenAI
 ToolName = Annotated[str, Field(pattern=NAME_PATTERN)]
 Id = Annotated[str, Field(min_length=1, max_length=256)]
-# Bounds that no served model reaches: a number past them is a mistake, refused by name before it can
-# reach the limiter or the engine (the model's own context bounds max_tokens further, per request).
-MAX_TOKENS_BOUND = 1 << 20
-MAX_TOP_K = 1 << 20
 MAX_PROMPT_TOKENS = MAX_TOKENS_BOUND  # token ids in one prompt (the model's context refuses fewer)
 MAX_PROMPTS = 4096  # prompts in one /v1/completions list (Settings.max_prompts, 64 by default, allows fewer)
 StopString = Annotated[str, Field(max_length=1024)]  # echoed back in errors and logs: bounded
@@ -51,6 +43,10 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(default=False, description="Send a final chunk with usage and no choices.")
+    continuous_usage_stats: bool = Field(
+        default=False,
+        description="vLLM's extension: every chunk carries the usage so far (with or without include_usage).",
+    )
 
 
 class TextPart(_Request):
@@ -181,16 +177,13 @@ class NamedToolChoice(_Request):
     function: ToolChoiceFunction
 
 
-class SamplingFields(_Request):
-    """Fields shared by both endpoints; vLLM's extensions top_k, min_p and repetition_penalty included."""
+class SamplingFields(VllmSampling, ClientDefaults, _Request):
+    """Fields shared by both endpoints; vLLM's extensions (app/schemas/extensions.py) included."""
 
     model: str = Field(min_length=1, max_length=256, description="A base model or one of your adapters.")
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=10)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
@@ -231,7 +224,7 @@ class SamplingFields(_Request):
         return self.stop if isinstance(self.stop, list) else []
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatClientDefaults):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     response_format: ResponseFormat | None = None

@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
         *,
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
@@ -62,6 +63,8 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
         self._stop_reason: str | None = None
         self._done = False
+        # vLLM's min_tokens: stop strings count only in text decoded once this many tokens were added
+        self._unchecked_tokens = min_tokens
 
     @property
     def output_text(self) -> str:
@@ -77,6 +80,7 @@ class IncrementalDetokenizer:
         if self._done:
             return DetokenizerDelta("", self._stop_reason)
         self._ids.append(token_id)
+        self._unchecked_tokens -= 1
         text = self._decode(self._ids[self._prefix_offset :])
         if len(text) <= len(self._prefix_text):
             return DetokenizerDelta("", None)  # e.g. a skipped special token
@@ -113,7 +117,7 @@ class IncrementalDetokenizer:
         commit=False: `new` is only looked at for a stop string; otherwise it is decoded again later.
         """
         text = self._held + new
-        hit = self._first_stop(text)
+        hit = self._first_stop(text) if self._unchecked_tokens < 0 else None
         if hit is not None:
             at, stop = hit
             self._done = True
@@ -122,7 +126,7 @@ class IncrementalDetokenizer:
             return self._emit(text[:at], stop)
         if not commit:
             return DetokenizerDelta("", None)
-        keep = 0 if final else self._stop_prefix_len(text)
+        keep = 0 if final or self._unchecked_tokens >= 0 else self._stop_prefix_len(text)
         self._held = text[len(text) - keep :]
         self._done = final
         return self._emit(text[: len(text) - keep], None)

@@ -132,7 +132,7 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
         )
         self.sampler = Sampler(self.vocab_size, m.device, seed=config.seed)
-        self.logits = LogitsProcessor(self.sampler, self.vocab_size)
+        self.logits = LogitsProcessor(self.sampler, self.vocab_size, m.eos_token_ids)
         self.sequences = SequenceBuilder(
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,

@@ -23,9 +23,12 @@ Token = int | str  # a sampled token, or why the row could not be sampled
 
 
 class LogitsProcessor:
-    def __init__(self, sampler: Sampler, vocab_size: int) -> None:
+    def __init__(
+        self, sampler: Sampler, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.sampler = sampler
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
 
     def take_prompt_logprobs(
         self, logits: torch.Tensor, scheduled: list[ScheduledSequence], prompt_rows: list[range]
@@ -138,13 +141,19 @@ class LogitsProcessor:
 
     @torch.inference_mode()
     def constrain(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> None:
-        """Apply logit biases and grammar masks, in place, to the rows whose requests have them."""
+        """Apply logit biases, min_tokens' bans and grammar masks, in place, to the rows that have them."""
         for i, s in enumerate(sampling):
-            bias = s.seq.params.logit_bias
-            if bias:
-                ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
-                values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+            params = s.seq.params
+            if params.logit_bias:
+                ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+                values = torch.tensor(
+                    [b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device
+                )
                 logits[i].index_add_(0, ids, values)
+            if s.seq.num_output_tokens < params.min_tokens:
+                self._ban_stops(
+                    logits, i, params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+                )
         masked = [i for i, s in enumerate(sampling) if s.seq.matcher is not None]
         if not masked:
             return
@@ -159,6 +168,14 @@ class LogitsProcessor:
         allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # [M, V]
         rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, index, rows)  # masks applied on the logits' device: nothing read back
+
+    @staticmethod
+    def _ban_stops(logits: torch.Tensor, row: int, tokens: tuple[int, ...]) -> None:
+        """vLLM's min_tokens: a token that would end the choice cannot be drawn before it has that many.
+        Ids past the logits (a stop id the route did not check) are left out rather than fail the batch."""
+        ids = [t for t in tokens if t < logits.shape[1]]
+        if ids:
+            logits[row, torch.tensor(ids, dtype=torch.long, device=logits.device)] = float("-inf")
 
 
 def _left(seq: Sequence) -> int:

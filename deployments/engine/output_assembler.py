@@ -49,6 +49,7 @@ class OutputAssembler:
                 # could match after it either, as only the stop token may follow the completed match).
                 stop=seq.params.stop if seq.params.structured is None else (),
                 skip_special_tokens=seq.params.skip_special_tokens,
+                min_tokens=seq.params.min_tokens,
             )
 
     def step_outputs(

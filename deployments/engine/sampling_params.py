@@ -12,6 +12,7 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_N = 128  # choices per prompt; deployments set a lower limit for tenants
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_SCHEMA_CHARS = 65536  # a JSON Schema document's text
+MAX_STOP_TOKEN_IDS = 64  # more would be a mistake: each is a set lookup per token, and masked with min_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings unchecked, until this many
     skip_special_tokens: bool = True
     n: int = 1  # choices per prompt; they share the prompt's KV blocks
     logprobs: int | None = None  # per output token: its logprob and this many top alternatives (0-20)
@@ -95,8 +97,12 @@ class SamplingParams:
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise bad("stop", s, f"a non-empty string of at most {MAX_STOP_STRING_CHARS} characters")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", list(self.stop_token_ids), "non-negative token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
+            raise bad(
+                "stop_token_ids", list(self.stop_token_ids), f"at most {MAX_STOP_TOKEN_IDS} token ids >= 0"
+            )
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", self.min_tokens, ">= 0 and at most max_tokens")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"between 1 and {MAX_N}")
         for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
@@ -106,6 +112,11 @@ class SamplingParams:
             raise bad("logit_bias", f"{len(self.logit_bias)} entries", f"at most {MAX_LOGIT_BIAS} entries")
         if self.structured is not None and self.ignore_eos:
             raise bad("ignore_eos", True, "false with structured output (a complete grammar ends with EOS)")
+        if self.structured is not None and self.min_tokens:
+            # a complete grammar allows only EOS: masking it would leave no token to sample
+            raise bad(
+                "min_tokens", self.min_tokens, "0 with structured output (a complete grammar ends with EOS)"
+            )
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", {token: bias}, "token ids >= 0 with biases between -100 and 100")

@@ -29,6 +29,10 @@ class SequenceBuilder:
                     f"logit_bias names token {token}; the vocabulary has {self.vocab_size}",
                     param="logit_bias",
                 )
+        if any(token >= self.vocab_size for token in params.stop_token_ids):
+            raise InvalidRequest(
+                f"stop_token_ids must be token ids below {self.vocab_size}", param="stop_token_ids"
+            )
         seqs: list[Sequence] = []
         for p, prompt_ids in enumerate(request.prompts):
             if not prompt_ids:

@@ -136,3 +136,12 @@ def test_tools_become_chat_tools_and_the_chat_checks_still_apply() -> None:
 def test_what_cannot_be_served_fails_validation(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         request(**fields)
+
+
+def test_vllms_extensions_reach_the_chat_request_and_are_bounded() -> None:
+    extras = {"ignore_eos": True, "min_tokens": 3, "stop_token_ids": [7], "top_k": 5}
+    body = request(input="hi", max_output_tokens=8, **extras)
+    chat = Conversation([], with_ids(body.items())).chat_request(body)
+    assert (chat.ignore_eos, chat.min_tokens, chat.stop_token_ids, chat.top_k) == (True, 3, [7], 5)
+    with pytest.raises(ValidationError):
+        request(input="hi", min_tokens=-1)
