@@ -25,7 +25,7 @@ from billing.errors import (
     TierExists,
     TierNotFound,
 )
-from billing.models import LIMIT_FIELDS, ApiKey, Tenant, TenantStatus, Tier, utcnow
+from billing.models import LIMIT_FIELDS, ApiKey, PriceChange, Tenant, TenantStatus, Tier, utcnow
 
 
 class _Unset(Enum):
@@ -170,6 +170,7 @@ def create_tier(
     )
     s.add(tier)
     s.flush()
+    record_tier_prices(s, tier)
     return tier
 
 
@@ -210,6 +211,7 @@ def update_tier(
     given_prices = dict(zip(PRICE_FIELDS, price_values, strict=True))
     prices = _checked_prices({field: v for field, v in given_prices.items() if not isinstance(v, _Unset)})
     new_currency = None if isinstance(currency, _Unset) else check_currency(currency)
+    before = _price_columns(tier)
     if not isinstance(description, _Unset):
         _assign(tier, "description", description)
     for field, value in checked.items():
@@ -221,7 +223,29 @@ def update_tier(
     _assign(tier, "on_limit", new_on_limit)
     _assign(tier, "max_queue_ms", new_queue_ms)
     s.flush()
+    if _price_columns(tier) != before:  # a new row in the history; what was settled keeps its cost
+        record_tier_prices(s, tier)
     return tier
+
+
+def _price_columns(tier: Tier) -> tuple[object, ...]:
+    return (*(Decimal(getattr(tier, f)) for f in PRICE_FIELDS), tier.currency)
+
+
+def record_tier_prices(s: Session, tier: Tier) -> None:
+    """The tier's current prices become its price history's newest row, in force from now."""
+    s.add(
+        PriceChange(
+            tier=tier.name,
+            effective_from=utcnow(),
+            input_per_mtok=tier.price_input_per_mtok,
+            cached_input_per_mtok=tier.price_cached_input_per_mtok,
+            output_per_mtok=tier.price_output_per_mtok,
+            gpu_per_second=tier.price_gpu_per_second,
+            currency=tier.currency,
+        )
+    )
+    s.flush()
 
 
 def _checked_prices(values: Mapping[str, object]) -> dict[str, Decimal]:

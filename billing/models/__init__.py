@@ -3,7 +3,8 @@
 - base: Base (its MetaData and naming convention), new_id, utcnow and the UTCDateTime column type;
 - tier: Tier and LIMIT_FIELDS;  tenant: Tenant and TenantStatus;  api_key: ApiKey;
 - adapter: the adapter registry (Adapter, AdapterVersion, PUBLIC_OWNER);
-- usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport.
+- usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport;
+- credit: CreditEntry, SpendLimit, BudgetEvent (issue 29);  price: PriceChange (effective-dated prices).
 
 Importing this package imports every module, so Base.metadata holds every table (migrations/env.py relies
 on it) and foreign keys named as strings ("tenants.id") resolve; import the names from here.
@@ -23,17 +24,24 @@ from billing.models.adapter import PUBLIC_OWNER, Adapter, AdapterVersion
 from billing.models.usage import UsageEvent, UsageRollup
 from billing.models.stripe_export import StripeExport
 from billing.models.engine_report import EngineReport
+from billing.models.credit import PERIODS, BudgetEvent, CreditEntry, SpendLimit
+from billing.models.price import PriceChange
 # isort: on
 
 __all__ = [
     "LIMIT_FIELDS",
     "NAMING_CONVENTION",
+    "PERIODS",
     "PUBLIC_OWNER",
     "Adapter",
     "AdapterVersion",
     "ApiKey",
     "Base",
+    "BudgetEvent",
+    "CreditEntry",
     "EngineReport",
+    "PriceChange",
+    "SpendLimit",
     "StripeExport",
     "Tenant",
     "TenantStatus",
