@@ -122,16 +122,16 @@ def test_hard_daily_limit_refuses_and_soft_monthly_limit_warns_once(
 ) -> None:
     tenant_id, key = new_tenant(served, metered_tier)
     with served.admin() as admin:
-        limits_body = {"day": {"amount": "0.03", "hard": True}, "month": {"amount": "0.001", "hard": False}}
+        limits_body = {"day": {"amount": "0.2", "hard": True}, "month": {"amount": "0.001", "hard": False}}
         reply = admin.put(f"/admin/tenants/{tenant_id}/budgets", json=limits_body)
     assert reply.status_code == 200, reply.text
-    assert reply.json()["limits"]["day"]["amount"] == "0.030000"
+    assert reply.json()["limits"]["day"]["amount"] == "0.200000"
     time.sleep(served.services.settings.auth_cache_ttl_s * 2)
     ok = chat(served, key, max_tokens=4)
     assert ok.status_code == 200, ok.text
     again = chat(served, key, max_tokens=4)
     assert again.status_code == 200  # the soft limit only warns
-    refused = chat(served, key, max_tokens=20)  # 0.04 of output alone: past the day's 0.03
+    refused = chat(served, key, max_tokens=150)  # 0.30 of output alone: past the day's 0.20
     assert refused.status_code == 429 and "daily spend limit" in refused.json()["error"]["message"]
     shown = limits(served, key).json()["budget"]
     assert shown["prepaid"] is False and shown["balance"] is None
