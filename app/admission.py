@@ -175,8 +175,10 @@ class Admission:
         hold, self.hold = self.hold, None
         if self.guard is None or hold is None:
             return None
-        with anyio.CancelScope(shield=True):
-            return await self.guard.settle(hold, used)
+        cost: Decimal | None = None
+        with anyio.CancelScope(shield=True):  # mypy: a `with` may swallow, so the return comes after it
+            cost = await self.guard.settle(hold, used)
+        return cost
 
     async def release(self, used_tokens: int) -> None:
         """Free the concurrency lease and reconcile the tokens (and settle a hold not settled yet, at

@@ -35,7 +35,7 @@ from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
 from app.budgets.ray_backend import RayBudgets
 from app.budgets.redis_backend import RedisBudgets
-from app.errors import InsufficientQuota
+from app.errors import BudgetUnavailable, InsufficientQuota
 from app.limits import LimiterBackend, Limits
 from app.limits.local_backend import LocalLimiter
 from app.limits.redis_backend import RedisLimiter
@@ -81,7 +81,7 @@ def make_budgets(name: str, prefix: str) -> BudgetBackend:
     if name == "ray":
         return RayBudgets(namespace=prefix, timeout_s=30)
     if name == "redis":
-        return RedisBudgets(REDIS_URL, key_prefix=f"loraplex-bench:{prefix}")
+        return RedisBudgets(REDIS_URL, key_prefix=f"loraplex-bench:{prefix}", timeout_s=60)
     raise ValueError(name)
 
 
@@ -90,21 +90,24 @@ async def race(
 ) -> dict[str, Any]:
     """`requests` at once across two ingress clients; credit for `covered` requests and a half."""
     per_request = cost_of(Metered(PROMPT, 0, OUTPUT), prices())
-    credit_amount = per_request * covered + per_request / 2
-    tenant = db.tenant(credit_amount.quantize(Decimal("0.000001")))
+    credit_amount = (per_request * covered + per_request / 2).quantize(Decimal("0.000001"))
+    tenant = db.tenant(credit_amount)
     prefix = uuid.uuid4().hex[:8]
     backends = [shared, shared] if shared is not None else [make_budgets(backend, prefix) for _ in range(2)]
     guards = [BudgetGuard(b, db.sessions, price_ttl_s=60) for b in backends]
-    served = refused = 0
+    served = refused = unavailable = 0
 
     async def one(i: int) -> None:
-        nonlocal served, refused
+        nonlocal served, refused, unavailable
         guard = guards[i % 2]
         try:
             hold = await guard.hold(tenant_id=tenant, budgeted=True, request_id=f"r{i}", base_model="m",
                                     adapter_id=None, prompt_tokens=PROMPT, output_tokens=OUTPUT)  # fmt: skip
         except InsufficientQuota:
             refused += 1
+            return
+        except BudgetUnavailable:  # the backend did not answer in time: refused, never served unchecked
+            unavailable += 1
             return
         await asyncio.sleep(random.uniform(0, 0.005))  # the engine's work
         await guard.settle(hold, Metered(PROMPT, 0, OUTPUT))
@@ -117,7 +120,8 @@ async def race(
     assert view is not None
     spent = from_micros(view.spent_month)
     await _close(backends)
-    return {"served": served, "refused": refused, "credit": str(credit_amount), "spent": str(spent),
+    return {"served": served, "refused": refused, "unavailable": unavailable, "credit": str(credit_amount),
+            "spent": str(spent),
             "overshoot": str(spent - credit_amount), "utilisation": round(float(spent / credit_amount), 4),
             "reserved_after": view.reserved, "seconds": round(elapsed, 3)}  # fmt: skip
 
@@ -125,8 +129,8 @@ async def race(
 async def naive(db: Database, requests: int, covered: int) -> dict[str, Any]:
     """Check the balance, serve, charge afterwards: no reservation."""
     per_request = cost_of(Metered(PROMPT, 0, OUTPUT), prices())
-    credit_amount = per_request * covered + per_request / 2
-    tenant = db.tenant(credit_amount.quantize(Decimal("0.000001")))
+    credit_amount = (per_request * covered + per_request / 2).quantize(Decimal("0.000001"))
+    tenant = db.tenant(credit_amount)
     backend = LocalBudgets()
     guard = BudgetGuard(backend, db.sessions, price_ttl_s=60)
     await guard.load(tenant)

@@ -70,7 +70,7 @@ class BudgetState:
             limit = t.limits.get(period)
             spent = t.spent_day if period == "day" else t.spent_month
             if limit is not None and limit[1] and limit[0] - spent - held - amount < 0:
-                return Hold(False, period, self._view(t))  # type: ignore[arg-type]
+                return Hold(False, period, self._view(t))
         t.holds[request_id] = (amount, now + ttl_ms)
         t.reserved = held + amount
         return Hold(True, None, self._view(t))

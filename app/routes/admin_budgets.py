@@ -66,7 +66,7 @@ async def set_budgets(tenant_id: str, body: BudgetsSet, _: AdminDep, services: S
             for period in ("day", "month"):
                 given = getattr(body, period)
                 try:
-                    credit.set_spend_limit(session, tenant_id=tenant_id, period=period,  # type: ignore[arg-type]
+                    credit.set_spend_limit(session, tenant_id=tenant_id, period=period,
                                            amount=None if given is None else given.amount,
                                            hard=True if given is None else given.hard)  # fmt: skip
                 except credit.InvalidAmount as error:

@@ -101,7 +101,7 @@ def _backfill(prices: sa.Table) -> None:
     by_tier: dict[str, tuple[Decimal, Decimal, Decimal, Decimal, str]] = {}
     for row in bind.execute(sa.select(tiers)).all():
         values = tuple(Decimal(str(v)) for v in row[1:5])
-        by_tier[row[0]] = (*values, row[5])  # type: ignore[assignment]
+        by_tier[row[0]] = (*values, row[5])
         op.bulk_insert(prices, [{
             "id": f"prc_tier_{row[0]}"[:32], "tier": row[0], "effective_from": SINCE, "input_per_mtok": values[0],
             "cached_input_per_mtok": values[1], "output_per_mtok": values[2], "gpu_per_second": values[3],

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.redis_backend import RedisBudgets
 from billing import credit
-from billing.models import UsageEvent
+from billing.models import UsageEvent, utcnow
 from tests.app.conftest import MODEL, Served
 
 # Dear enough that a few tokens are real money: 1 per million input tokens is 0.000001 each.
@@ -137,7 +137,7 @@ def test_hard_daily_limit_refuses_and_soft_monthly_limit_warns_once(
     assert shown["prepaid"] is False and shown["balance"] is None
     assert len(shown["soft_limit_events"]) == 1 and shown["soft_limit_events"][0].startswith("month:")
     with served.services.session_factory() as session:
-        periods = [credit.period_key("day", credit.utcnow()), credit.period_key("month", credit.utcnow())]
+        periods = [credit.period_key("day", utcnow()), credit.period_key("month", utcnow())]
         assert len(credit.events(session, tenant_id=tenant_id, period_keys=periods)) == 1
 
 
