@@ -175,10 +175,9 @@ class Admission:
         hold, self.hold = self.hold, None
         if self.guard is None or hold is None:
             return None
-        cost: Decimal | None = None
-        with anyio.CancelScope(shield=True):  # mypy: a `with` may swallow, so the return comes after it
+        with anyio.CancelScope(shield=True):  # a `with` may swallow, for mypy: the return comes after it
             cost = await self.guard.settle(hold, used)
-        return cost
+        return cost  # noqa: RET504
 
     async def release(self, used_tokens: int) -> None:
         """Free the concurrency lease and reconcile the tokens (and settle a hold not settled yet, at
