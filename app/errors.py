@@ -295,7 +295,7 @@ def to_api_error(error: Exception) -> APIError:
     if isinstance(error, RequestFailed):
         log.warning("generation failed: %s", error)
         return GenerationFailed()
-    if isinstance(error, AdapterNotFound):  # tenants get ModelNotFound instead (app/generation.py)
+    if isinstance(error, AdapterNotFound):  # tenants get ModelNotFound (completions/generation.py)
         return APIError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, AdapterStoreUnsafe):  # not transient: no retry-after; the reason is in the log
         log.error("adapter upload refused: %s", error)

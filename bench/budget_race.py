@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from app.admission import Admission, BudgetAsk
+from app.completions.admission import Admission, BudgetAsk
 from app.budget_guard import BudgetGuard, periods_at
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
@@ -57,7 +57,7 @@ class Database:
     """A SQLite billing database with the priced tier; one prepaid tenant per run."""
 
     def __init__(self, root: Path) -> None:
-        url = f"sqlite:///{root / 'billing.db'}"
+        url = f"sqlite:///{root / 'budgets.sqlite'}"
         upgrade(url)
         self.engine = make_engine(url)
         self.sessions = make_session_factory(self.engine)

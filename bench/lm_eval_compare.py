@@ -35,13 +35,13 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.modelprep.demo_model import ensure_model
 from app.settings import Settings
+from bench.live_server import LiveServer
 from bench.measure import machine
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.interface import LocalEngineClient
 from deployments.registry_watcher import RegistryWatcher
-from tests.app.conftest import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "bench" / "lm_eval_task"

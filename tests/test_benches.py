@@ -77,6 +77,10 @@ HELPERS = {
     "measure",
     "workload",
     "serve_platform",
+    "admin_upload",
+    "routing_counters",
+    "live_server",
+    "stripe_stub",
 }  # pieces of benches, not benches
 
 

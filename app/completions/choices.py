@@ -10,7 +10,8 @@ rendering it as JSON) is too much for the event loop every other request shares.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.logprobs import CompletionLogprobsBuilder, TokenTexts, chat_logprobs, join
+from app.completions.logprobs import CompletionLogprobsBuilder, TokenTexts, chat_logprobs, join
+from app.completions.tool_calls import BEGIN, ParsedCall, ToolCallStream, parse
 from app.schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -24,7 +25,6 @@ from app.schemas.openai import (
     ToolCallDelta,
     ToolCallOut,
 )
-from app.tool_calls import BEGIN, ParsedCall, ToolCallStream, parse
 from deployments.engine.interface import FinishReason, RequestOutput, TokenLogprob
 
 Kind = Literal["chat", "completion"]
