@@ -29,12 +29,12 @@ from typing import Any
 
 import ray
 
-from app.completions.admission import Admission, BudgetAsk
 from app.budget_guard import BudgetGuard, periods_at
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
 from app.budgets.ray_backend import RayBudgets
 from app.budgets.redis_backend import RedisBudgets
+from app.completions.admission import Admission, BudgetAsk
 from app.errors import BudgetUnavailable, InsufficientQuota
 from app.limits import LimiterBackend, Limits
 from app.limits.local_backend import LocalLimiter
