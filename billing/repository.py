@@ -211,6 +211,12 @@ def update_tier(
     given_prices = dict(zip(PRICE_FIELDS, price_values, strict=True))
     prices = _checked_prices({field: v for field, v in given_prices.items() if not isinstance(v, _Unset)})
     new_currency = None if isinstance(currency, _Unset) else check_currency(currency)
+    if new_currency is not None and new_currency != tier.currency:
+        prepaid = select(Tenant.id).where(Tenant.tier == name, Tenant.prepaid.is_(True)).limit(1)
+        if s.scalar(prepaid) is not None:  # their credit is money in the old currency
+            raise InvalidPrice(
+                "currency", currency, "unchanged while tenants on the tier hold prepaid credit"
+            )
     before = _price_columns(tier)
     if not isinstance(description, _Unset):
         _assign(tier, "description", description)
@@ -306,6 +312,11 @@ def update_tenant(
     if name is not None and name != tenant.name:
         _check_name_free(s, name)
     new_tier = None if tier is None else get_tier(s, name=tier).name
+    moves = new_tier is not None and new_tier != tenant.tier
+    # Credit is money in one currency: a prepaid tenant never moves to a tier in another.
+    currency = get_tier(s, name=tenant.tier).currency
+    if moves and tenant.prepaid and get_tier(s, name=str(new_tier)).currency != currency:
+        raise InvalidLimits("tier", tier, "a tier in the tenant's currency while it holds prepaid credit")
     if name is not None:
         _assign(tenant, "name", name)
     if new_tier is not None:
