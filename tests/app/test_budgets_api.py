@@ -2,6 +2,7 @@
 insufficient_quota before any work, spend limits hard and soft, the surfaces (GET /v1/limits, admin
 credit and budgets), every usage row priced, and budgets failing closed when their state is away."""
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from decimal import Decimal
 import httpx
 import pytest
 from sqlalchemy import func, select
+from typer.testing import Result
 
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.redis_backend import RedisBudgets
@@ -190,3 +192,21 @@ def test_a_restarted_backend_reloads_from_the_ledger(served: Served, metered_tie
     with served.services.session_factory() as session:
         total = session.scalar(select(func.count()).where(UsageEvent.tenant_id == tenant_id))
     assert total == 1
+
+
+def test_cli_credit_and_budgets(served: Served, metered_tier: str, cli: Callable[..., Result]) -> None:
+    tenant_id, _ = new_tenant(served, metered_tier)
+    added = cli("--json", "credit", "add", tenant_id, "12.5", "--reason", "invoice 42", "--actor", "finance")
+    assert added.exit_code == 0, added.output
+    assert json.loads(added.stdout)["amount"] == "12.500000"
+    limited = cli("budgets", "set", tenant_id, "--day", "3", "--month", "50", "--soft")
+    assert limited.exit_code == 0, limited.output
+    assert "day limit" in limited.stdout and "(soft)" in limited.stdout
+    shown = cli("--json", "credit", "show", tenant_id)
+    budget = json.loads(shown.stdout)
+    assert budget["balance"] == "12.500000" and budget["limits"]["month"]["hard"] is False
+    assert [(e["reason"], e["actor"]) for e in budget["entries"]] == [("invoice 42", "finance")]
+    human = cli("credit", "show", tenant_id)
+    assert human.exit_code == 0 and "invoice 42" in human.stdout
+    refused = cli("credit", "add", tenant_id, "0")
+    assert refused.exit_code != 0 and "amount" in refused.output
