@@ -37,13 +37,9 @@ ENGINE = "deployments.engine"
 INTERFACE = "deployments.engine.interface"
 ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
-# The test-support modules benches reuse (the one arrow up: bench -> tests).
-TEST_SUPPORT = (
-    "tests.app.conftest",  # LiveServer: the HTTP app under uvicorn
-    "bench.stripe_stub",
-    "tests.engine.reference",
-    "tests.engine.test_reference_equality",
-)
+# The one arrow up (bench -> tests): bench.gpu_check runs the suite's reference-equality scenario on a GPU,
+# with the suite's PEFT reference as the oracle, so a GPU engine is held to the very test the CPU one is.
+TEST_SUPPORT = ("tests.engine.reference", "tests.engine.test_reference_equality")
 # unit -> the units (or single modules) it may import besides itself. docs/architecture.md's table says
 # the same, and test_the_documented_table_is_the_enforced_one holds them together.
 ALLOWED: dict[str, frozenset[str]] = {

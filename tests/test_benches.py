@@ -43,7 +43,13 @@ BENCHES = {
         "local_ms",
         "ratio_cold_vs_hit_fresh",
     },
-    "structured": {"throughput_ratio", "compile_p50_ms", "compile_p99_ms", "mask_us_per_token"},
+    "structured": {
+        "throughput_ratio",
+        "compile_p50_ms",
+        "compile_p99_ms",
+        "mask_us_per_token",
+        "closing_us_per_token",
+    },
     "parsing": {"openings", "ratio_regex_vs_one_pass", "stream_s", "prompt_ids", "ratio_union_vs_validate"},
     "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},
     "http_load": {"engine", "platform", "overhead", "metering", "errors", "capacity_rps", "rate_rps"},
@@ -71,7 +77,6 @@ RUN_ELSEWHERE = {"load_test": "tests/e2e/test_load_and_faults.py"}
 HELPERS = {
     "__init__",
     "assets",
-    "load_faults",
     "locustfile",
     "ray_ops",
     "measure",

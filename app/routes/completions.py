@@ -155,6 +155,7 @@ async def completions(
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias,
+        structured=_response_format(body.response_format),
     )
     generation = Generation.begin(services, principal, target, request_id, "completion", body)
     shape = Shape(n=body.n, logprobs=body.logprobs, echo=echo)

@@ -15,16 +15,7 @@ from typing import Any
 
 import yaml
 
-from bench.load.options import (
-    DEFAULT_PG_ADMIN,
-    ENGINE,
-    ENGINE_REPLICAS,
-    INGRESS_REPLICAS,
-    MODEL,
-    ROOT,
-    Options,
-)
-from bench.load_faults import (
+from bench.load.incidents import (
     HealableStripeStub,
     RedisServer,
     TcpProxy,
@@ -34,6 +25,15 @@ from bench.load_faults import (
     sqlite_outage,
     stop_tree,
     wait_for_port,
+)
+from bench.load.options import (
+    DEFAULT_PG_ADMIN,
+    ENGINE,
+    ENGINE_REPLICAS,
+    INGRESS_REPLICAS,
+    MODEL,
+    ROOT,
+    Options,
 )
 
 
