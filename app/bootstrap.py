@@ -9,6 +9,9 @@ from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator
 from app.auth.failures import FailureThrottle
 from app.auth.key_usage import KeyUsageRecorder
+from app.budget_guard import BudgetGuard
+from app.budgets.local_backend import LocalBudgets
+from app.budgets.protocol import BudgetBackend
 from app.catalog import BaseModelSpec, ModelCatalog
 from app.limits import LimiterBackend
 from app.limits.local_backend import LocalLimiter
@@ -46,10 +49,12 @@ def build_services(
     limiter: LimiterBackend | None = None,
     limiter_fail_open: bool = False,
     metering: MeteringSink | None = None,
+    budgets: BudgetBackend | None = None,
 ) -> Services:
     """`models`: the served base models by name. Without a limiter backend, limits are kept in this
-    process (right for one ingress replica; the Serve deployment passes a cluster-wide one). Without a
-    metering sink, usage goes from the outbox straight into the database."""
+        process (right for one ingress replica; the Serve deployment passes a cluster-wide one), and budgets
+    likewise. Without a
+        metering sink, usage goes from the outbox straight into the database."""
     url = settings.resolved_database_url()
     if settings.auto_migrate:
         migrate.upgrade_to_head(url)
@@ -91,6 +96,9 @@ def build_services(
         store=store,
         limiter=limiter or LocalLimiter(),
         limiter_fail_open=limiter_fail_open,
+        budget_guard=BudgetGuard(
+            budgets or LocalBudgets(), session_factory, price_ttl_s=settings.auth_cache_ttl_s
+        ),
         delivery=delivery,
         observers=[MeteringObserver(outbox, delivery), RequestMetrics()],
     )

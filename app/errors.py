@@ -163,6 +163,37 @@ class RateLimited(APIError):
         super().__init__(429, message, code="rate_limit_exceeded", headers=headers)
 
 
+class InsufficientQuota(APIError):
+    """429 insufficient_quota (OpenAI's code): the request's worst case does not fit the tenant's credit or
+    a hard spend limit. Retrying cannot help until the credit or the limit changes, so SDKs are told not to
+    (`x-should-retry: false`)."""
+
+    def __init__(
+        self, limit: str, *, needed: str, remaining: str, currency: str, headers: dict[str, str]
+    ) -> None:
+        message = (
+            f"You exceeded your {limit}: this request may cost up to {needed} {currency.upper()} and "
+            f"{remaining} {currency.upper()} remain. Add credit or raise the limit, then retry."
+        )
+        super().__init__(
+            429, message, code="insufficient_quota", headers={**headers, "x-should-retry": "false"}
+        )
+
+
+class BudgetUnavailable(APIError):
+    """503: the tenant has a budget and the state that enforces it cannot be reached. Budgets fail closed
+    whatever the rate limiter's fail_open says: money is never spent unchecked."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            503,
+            "Spend limits cannot be checked right now; please retry shortly.",
+            type="server_error",
+            code="budget_unavailable",
+            headers={"retry-after": "1"},
+        )
+
+
 class TooManySequences(InvalidParameter):
     """400: a request runs more sequences (every choice of every prompt) than it ever may; retrying the same
     request cannot help, so it is refused at once rather than queued."""

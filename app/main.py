@@ -17,7 +17,18 @@ from app.body_limit import BodyLimitMiddleware
 from app.errors import install_error_handlers
 from app.middleware import RequestContextMiddleware
 from app.responses import routes as responses
-from app.routes import admin, admin_adapters, completions, health, limits, models, routing, usage, usage_page
+from app.routes import (
+    admin,
+    admin_adapters,
+    admin_budgets,
+    completions,
+    health,
+    limits,
+    models,
+    routing,
+    usage,
+    usage_page,
+)
 from app.services import Services
 
 Routes = Literal["all", "tenant", "admin"]
@@ -63,7 +74,13 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: 
         limits.router,
         usage_page.router,
     )
-    admin_api = (admin.router, admin_adapters.router, usage.admin_router, routing.router)
+    admin_api = (
+        admin.router,
+        admin_budgets.router,
+        admin_adapters.router,
+        usage.admin_router,
+        routing.router,
+    )
     routers = {"all": (*tenant, *admin_api), "tenant": tenant, "admin": admin_api}[routes]
     for router in (*routers, health.router):
         app.include_router(router)

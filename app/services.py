@@ -10,6 +10,7 @@ from adapters.store import AdapterStore
 from app.adapter_resolver import AdapterResolver
 from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator, Principal
+from app.budget_guard import BudgetGuard
 from app.catalog import BaseModelEntry, ModelCatalog
 from app.errors import ModelNotFound
 from app.limits import LimiterBackend
@@ -42,6 +43,7 @@ class Services:
     limiter: LimiterBackend
     delivery: UsageDelivery
     limiter_fail_open: bool = False
+    budget_guard: BudgetGuard | None = None  # money at admission (issue 29); None: requests are not priced
     observers: list[RequestObserver] = field(default_factory=list)
 
     async def resolve(self, principal: Principal, model: str) -> Target:

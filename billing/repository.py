@@ -26,7 +26,7 @@ from billing.errors import (
     TierExists,
     TierNotFound,
 )
-from billing.models import LIMIT_FIELDS, ApiKey, StoredResponse, Tenant, TenantStatus, Tier, utcnow
+from billing.models import LIMIT_FIELDS, ApiKey, PriceChange, StoredResponse, Tenant, TenantStatus, Tier, utcnow
 
 
 class _Unset(Enum):
@@ -171,6 +171,7 @@ def create_tier(
     )
     s.add(tier)
     s.flush()
+    record_tier_prices(s, tier)
     return tier
 
 
@@ -211,6 +212,13 @@ def update_tier(
     given_prices = dict(zip(PRICE_FIELDS, price_values, strict=True))
     prices = _checked_prices({field: v for field, v in given_prices.items() if not isinstance(v, _Unset)})
     new_currency = None if isinstance(currency, _Unset) else check_currency(currency)
+    if new_currency is not None and new_currency != tier.currency:
+        prepaid = select(Tenant.id).where(Tenant.tier == name, Tenant.prepaid.is_(True)).limit(1)
+        if s.scalar(prepaid) is not None:  # their credit is money in the old currency
+            raise InvalidPrice(
+                "currency", currency, "unchanged while tenants on the tier hold prepaid credit"
+            )
+    before = _price_columns(tier)
     if not isinstance(description, _Unset):
         _assign(tier, "description", description)
     for field, value in checked.items():
@@ -222,7 +230,29 @@ def update_tier(
     _assign(tier, "on_limit", new_on_limit)
     _assign(tier, "max_queue_ms", new_queue_ms)
     s.flush()
+    if _price_columns(tier) != before:  # a new row in the history; what was settled keeps its cost
+        record_tier_prices(s, tier)
     return tier
+
+
+def _price_columns(tier: Tier) -> tuple[object, ...]:
+    return (*(Decimal(getattr(tier, f)) for f in PRICE_FIELDS), tier.currency)
+
+
+def record_tier_prices(s: Session, tier: Tier) -> None:
+    """The tier's current prices become its price history's newest row, in force from now."""
+    s.add(
+        PriceChange(
+            tier=tier.name,
+            effective_from=utcnow(),
+            input_per_mtok=tier.price_input_per_mtok,
+            cached_input_per_mtok=tier.price_cached_input_per_mtok,
+            output_per_mtok=tier.price_output_per_mtok,
+            gpu_per_second=tier.price_gpu_per_second,
+            currency=tier.currency,
+        )
+    )
+    s.flush()
 
 
 def _checked_prices(values: Mapping[str, object]) -> dict[str, Decimal]:
@@ -283,6 +313,11 @@ def update_tenant(
     if name is not None and name != tenant.name:
         _check_name_free(s, name)
     new_tier = None if tier is None else get_tier(s, name=tier).name
+    moves = new_tier is not None and new_tier != tenant.tier
+    # Credit is money in one currency: a prepaid tenant never moves to a tier in another.
+    currency = get_tier(s, name=tenant.tier).currency
+    if moves and tenant.prepaid and get_tier(s, name=str(new_tier)).currency != currency:
+        raise InvalidLimits("tier", tier, "a tier in the tenant's currency while it holds prepaid credit")
     if name is not None:
         _assign(tenant, "name", name)
     if new_tier is not None:

@@ -8,6 +8,7 @@ hour_expression and as_hour define those UTC hours in SQL; billing.usage_queries
 import hashlib
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import ColumnElement, func, select
@@ -42,13 +43,18 @@ class UsageRecord:
     replica: str | None
     started_at: datetime
     finished_at: datetime
+    cost: str | None = None  # a decimal string (exact through JSON), fixed at settlement; None: unpriced
+    currency: str | None = None
 
 
 def record_usage(session: Session, records: list[UsageRecord]) -> int:
     """Insert what is new; a request id already recorded is ignored. Returns how many rows were new."""
     if not records:
         return 0
-    rows = [{**asdict(r), "recorded_at": utcnow()} for r in records]
+    rows = [
+        {**asdict(r), "cost": None if r.cost is None else Decimal(r.cost), "recorded_at": utcnow()}
+        for r in records
+    ]
     dialect = session.get_bind().dialect.name
     if dialect not in ("postgresql", "sqlite"):
         raise NotImplementedError(f"usage recording needs PostgreSQL or SQLite, not {dialect}")

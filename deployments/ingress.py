@@ -16,6 +16,7 @@ from app.admin_listener import AdminListener
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
 from app.dependency_noise import quiet_dependencies
+from app.budgets.factory import make_budgets
 from app.limits.factory import LimiterConfig, make_limiter
 from app.main import Routes, create_app
 from app.settings import Settings
@@ -56,6 +57,7 @@ class Ingress:
             specs,
             limiter=make_limiter(limiter_config),
             limiter_fail_open=limiter_config.fail_open,
+            budgets=make_budgets(limiter_config),  # beside the limiter, of its kind (issue 29)
             metering=None if metering is None else ServeMeteringSink(metering),
         )
         self.admin_listener: AdminListener | None = None

@@ -23,7 +23,7 @@ from app.auth.failures import FailureThrottle
 from app.auth.key_usage import KeyUsageRecorder
 from app.errors import InvalidApiKey, TooManyFailedAuthentications
 from app.limits import Limits
-from billing import repository
+from billing import credit, repository
 from billing.models import Tenant, Tier
 
 
@@ -34,6 +34,7 @@ class Principal:
     tier: str
     key_id: str
     limits: Limits = field(default_factory=Limits)  # the tier's, with the tenant's overrides
+    budgeted: bool = False  # prepaid or with a spend limit: admission reserves money (app/budget_guard.py)
 
 
 MAX_CACHED = 100_000
@@ -130,6 +131,7 @@ class Authenticator:
                 tier=tenant.tier,
                 key_id=api_key.id,
                 limits=limits_for(tier, tenant),
+                budgeted=tenant.prepaid or credit.has_spend_limits(session, tenant_id=tenant.id),
             )
 
 

@@ -1,16 +1,16 @@
 """`loraplex`: the admin CLI.
 
-Tiers, tenants, keys, adapters, usage and routing go through the admin HTTP API, so the CLI can manage a
-remote deployment; `db` migrates the billing database directly and `billing` rolls up and exports usage from
-it; `up`, `status` and `ready` run the platform locally and follow it.
+Tiers, tenants, keys, adapters, usage, credit, budgets and routing go through the admin HTTP API, so the
+CLI can manage a remote deployment; `db` migrates the billing database directly and `billing` rolls up and
+exports usage from it; `up`, `status` and `ready` run the platform locally and follow it.
 
 Each command group is one `typer.Typer()` in its own module of this package (tenants, keys, tiers,
-adapters, usage, billing, routing, db, kernels; `up`/`status` in run, `ready` in ready); `build_app()`
-registers them on the root. A group takes what it shares with others from the helper modules only, never from
-another group: app.cli.common (global options, the admin client, emit and fail), app.cli.output (tables,
-records, timestamps), app.cli.billing_database (the billing database's URL and errors) and
-app.cli.limits (the limit options of tiers and tenants). A new group lives in its own module and is
-added to `_groups()`.
+adapters, usage, credit/budgets, billing, routing, db, kernels; `up`/`status` in run, `ready` in ready);
+`build_app()` registers them on the root. A group takes what it shares with others from the helper modules
+only, never from another group: app.cli.common (global options, the admin client, emit and fail),
+app.cli.output (tables, records, timestamps), app.cli.billing_database (the billing database's URL and
+errors) and app.cli.limits (the limit options of tiers and tenants). A new group lives in its own module
+and is added to `_groups()`.
 
 Heavy dependencies (torch, transformers, SQLAlchemy, Alembic, Stripe) are imported when a command runs,
 never at import time, so that `loraplex --help` and the HTTP commands start quickly.
@@ -24,6 +24,7 @@ from app.cli import ready, run
 from app.cli.adapters import adapters_app
 from app.cli.billing import billing_app
 from app.cli.common import DEFAULT_URL, CLIOptions
+from app.cli.credit import budgets_app, credit_app
 from app.cli.db import db_app
 from app.cli.kernels import kernels_app
 from app.cli.keys import keys_app
@@ -41,6 +42,8 @@ def _groups() -> list[tuple[str, typer.Typer]]:
         ("tiers", tiers_app),
         ("adapters", adapters_app),
         ("usage", usage_app),
+        ("credit", credit_app),
+        ("budgets", budgets_app),
         ("billing", billing_app),
         ("routing", routing_app),
         ("db", db_app),

@@ -131,7 +131,9 @@ def billing_reconcile(
         typer.Option("--no-stripe", help="Compare the database with the export log only, not with Stripe."),
     ] = False,
 ) -> None:
-    """Compare per customer and meter: rollups, the export log and (when configured) Stripe's summaries.
+    """Compare per customer and meter: rollups, the export log and (when configured) Stripe's summaries;
+    and per tenant and UTC day: the spend settled into the usage rows against the same rows repriced from
+    the price history, to the cent (and no row left unpriced).
 
     Exit 1 when any total disagrees. Stripe aggregates asynchronously: right after an export it may lag.
     """
@@ -146,13 +148,16 @@ def billing_reconcile(
     client = make_client(config) if config.enabled and not no_stripe else None
     url, shown = existing_database()
 
-    def compare() -> list[JSON]:
+    def compare() -> tuple[list[JSON], list[JSON]]:
+        from billing.spend_reconcile import reconcile_spend
+
         with _sessions(url) as factory, factory() as session:
             found = reconcile(session, start=first, end=last, config=config, client=client)
-            return [d.as_dict() for d in found]
+            spend = reconcile_spend(session, start=first, end=last)
+            return [d.as_dict() for d in found], [d.as_dict() for d in spend]
 
     try:
-        found = run_db(compare, shown, connecting=True)
+        found, spend = run_db(compare, shown, connecting=True)
     except stripe.APIConnectionError as exc:
         fail(
             f"cannot reach Stripe: {exc.user_message or exc}",
@@ -162,13 +167,29 @@ def billing_reconcile(
     except stripe.StripeError as exc:
         fail(f"Stripe refused: {exc.user_message or exc} (HTTP {exc.http_status})")
     state = {"database": shown, "start": _iso(first), "end": _iso(last), "stripe_checked": client is not None,
-             "discrepancies": found}  # fmt: skip
+             "discrepancies": found, "spend_discrepancies": spend}  # fmt: skip
     emit(ctx, state, _print_reconcile)
-    if found:
+    if found or spend:
         raise typer.Exit(EXIT_API_ERROR)
 
 
 def _print_reconcile(state: JSON) -> None:
+    _print_stripe_reconcile(state)
+    period = f"{_shown(state['start'])} .. {_shown(state['end'])}"
+    spend: list[JSON] = state["spend_discrepancies"]
+    if not spend:
+        stdout().print(f"Settled spend matches the price history to the cent for {period}.", markup=False)
+        return
+    listing = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("TENANT", "DAY", "SETTLED", "REPRICED", "UNPRICED"):
+        listing.add_column(column, no_wrap=True)
+    for d in spend:
+        listing.add_row(*(Text(str(d[k])) for k in ("tenant_id", "day", "settled", "repriced", "unpriced")))
+    stdout().print(f"{len(spend)} spend discrepancies for {period}:", markup=False)
+    stdout().print(listing)
+
+
+def _print_stripe_reconcile(state: JSON) -> None:
     sources = "database, export log" + (" and Stripe" if state["stripe_checked"] else "")
     period = f"{_shown(state['start'])} .. {_shown(state['end'])}"
     found: list[JSON] = state["discrepancies"]

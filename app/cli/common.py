@@ -94,6 +94,9 @@ class AdminClient:
     def patch(self, path: str, body: JSON) -> JSON:
         return self.request("PATCH", path, body)
 
+    def put(self, path: str, body: JSON) -> JSON:
+        return self.request("PUT", path, body)
+
     def delete(self, path: str) -> JSON:
         return self.request("DELETE", path)
 

@@ -5,18 +5,26 @@ waiting is the backend's, in one admit call (no polling from here), and a tenant
 already gets its 429 at once (queue_full). The token reservation is prompt + max_tokens (or the tier's
 cap), and on release it is replaced by what the request really used, so a tenant who asked for 1000
 tokens and used 10 gets 990 back at once.
+
+Money (issue 29) is admitted here too, right after the rate limits: a BudgetAsk makes admission hold the
+request's worst-case cost (app/budget_guard.py) and release settles it to the metered cost. A request
+refused for money gives its rate-limit lease straight back. Every route that runs an engine request
+(chat, completions, and /v1/responses) goes through Admission.acquire with its BudgetAsk.
 """
 
 import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 import anyio
 
+from app.budget_guard import BudgetGuard, BudgetHold
 from app.errors import RateLimited, RequestTooLarge, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
 from app.metrics import Counter
+from billing.price_book import Metered
 
 log = logging.getLogger(__name__)
 _RETRIES: set["asyncio.Future[None]"] = set()  # background release retries, kept from the GC
@@ -30,6 +38,18 @@ REJECTIONS = Counter(
 )
 
 
+@dataclass(frozen=True)
+class BudgetAsk:
+    """What admission needs to hold a request's money: its worst case in tokens, and where it runs."""
+
+    guard: BudgetGuard
+    budgeted: bool  # the tenant has credit or a spend limit (otherwise the request is only priced)
+    base_model: str
+    adapter_id: str | None
+    prompt_tokens: int
+    output_tokens: int  # max_tokens x choices x prompts
+
+
 @dataclass
 class Admission:
     backend: LimiterBackend | None  # None: nothing to release (unlimited, or the limiter was down, fail-open)
@@ -39,9 +59,45 @@ class Admission:
     decision: Decision | None
     _renewed_at: float = field(default_factory=time.monotonic)
     _released: bool = False
+    guard: BudgetGuard | None = None
+    hold: BudgetHold | None = None  # the request's money, settled by release
 
     @classmethod
     async def acquire(
+        cls,
+        backend: LimiterBackend,
+        *,
+        tenant: str,
+        tier: str,
+        request_id: str,
+        limits: Limits,
+        reserve: int,
+        fail_open: bool,
+        sequences: int = 1,
+        budget: BudgetAsk | None = None,
+    ) -> "Admission":
+        """The rate limits, then (with `budget`) the money; refused for money, the lease goes back."""
+        admission = await cls._acquire_rate(
+            backend, tenant=tenant, tier=tier, request_id=request_id, limits=limits, reserve=reserve,
+            fail_open=fail_open, sequences=sequences,
+        )  # fmt: skip
+        if budget is None:
+            return admission
+        try:
+            admission.hold = await budget.guard.hold(
+                tenant_id=tenant, budgeted=budget.budgeted, request_id=request_id,
+                base_model=budget.base_model, adapter_id=budget.adapter_id,
+                prompt_tokens=budget.prompt_tokens, output_tokens=budget.output_tokens,
+            )  # fmt: skip
+        except BaseException as error:
+            _count_rejection(tenant, "budget" if getattr(error, "status", 0) == 429 else "budget_unavailable")
+            await admission.release(0)
+            raise
+        admission.guard = budget.guard
+        return admission
+
+    @classmethod
+    async def _acquire_rate(
         cls,
         backend: LimiterBackend,
         *,
@@ -101,15 +157,33 @@ class Admission:
             log.debug("counting refused request %s failed: %s", request_id, error)
 
     def headers(self) -> dict[str, str]:
-        return {} if self.decision is None else self.decision.headers()
+        rate = {} if self.decision is None else self.decision.headers()
+        return rate if self.hold is None else {**rate, **self.hold.headers()}
 
     async def renew_if_due(self) -> None:
-        if self.backend is not None and time.monotonic() - self._renewed_at > RENEW_EVERY_S:
-            self._renewed_at = time.monotonic()
+        if time.monotonic() - self._renewed_at <= RENEW_EVERY_S:
+            return
+        self._renewed_at = time.monotonic()
+        if self.backend is not None:
             await _quietly(self.backend.renew(self.tenant, self.request_id, self.limits))
+        if self.guard is not None and self.hold is not None:
+            await _quietly(self.guard.renew(self.hold))
+
+    async def settle(self, used: Metered | None) -> Decimal | None:
+        """Spend the request's metered cost (None: nothing ran) and release the rest of its hold; returns
+        the cost, fixed now for its usage row (None when it was never priced). Once; shielded."""
+        hold, self.hold = self.hold, None
+        if self.guard is None or hold is None:
+            return None
+        with anyio.CancelScope(shield=True):  # a `with` may swallow, for mypy: the return comes after it
+            cost = await self.guard.settle(hold, used)
+        return cost  # noqa: RET504
 
     async def release(self, used_tokens: int) -> None:
-        """Free the concurrency lease and reconcile the tokens. Shielded: it runs on cancellation too."""
+        """Free the concurrency lease and reconcile the tokens (and settle a hold not settled yet, at
+        nothing). Shielded: it runs on cancellation too."""
+        if self.hold is not None:
+            await self.settle(None)
         if self.backend is None or self._released:
             return
         self._released = True

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from adapters.errors import AdapterLoadFailed, AdapterNotFound
 from app import log_context, request_metrics
 from app.auth.authenticator import Principal
-from app.completions.admission import Admission, concurrency_limit
+from app.completions.admission import Admission, BudgetAsk, concurrency_limit
 from app.completions.choices import Choices, Shape
 from app.completions.closing_stream_response import ClosingStreamingResponse
 from app.completions.engine_stream import EngineStream, uncancellable
@@ -42,6 +42,7 @@ from app.schemas.openai import (
     Usage,
 )
 from app.services import Services, Target
+from billing.price_book import Metered
 from deployments.engine.interface import (
     EngineError,
     EngineRequest,
@@ -151,6 +152,7 @@ class Generation:
             reserve=self.prompt_tokens + params.n * len(prompts) * output,
             fail_open=self.services.limiter_fail_open,
             sequences=sequences,  # concurrency counts what the engine runs, not HTTP requests
+            budget=self._budget_ask(params.n * len(prompts) * output),
         )
         self.engine_request = EngineRequest(
             request_id=self.request_id,
@@ -187,6 +189,21 @@ class Generation:
                 on_close=lambda: self.close("aborted"),  # a no-op when the stream ended by itself
             )
         return await self._collect(first, outputs, headers, choices)
+
+    def _budget_ask(self, output_tokens: int) -> BudgetAsk | None:
+        """The request's money for admission: its prompts and its most output, on its model or adapter."""
+        guard = self.services.budget_guard
+        if guard is None:
+            return None
+        adapter = self.target.adapter
+        return BudgetAsk(
+            guard=guard,
+            budgeted=self.principal.budgeted,
+            base_model=self.target.base.name,
+            adapter_id=None if adapter is None else adapter.adapter_id,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=output_tokens,
+        )
 
     async def _explained(self, error: Exception) -> Exception:
         """The engine found no stored version of this request's adapter: deleted since the ingress resolved
@@ -440,7 +457,18 @@ class Generation:
             if usage is not None
             else self.prompt_tokens + self.streamed_tokens  # aborted: what the client got
         )
+        cost = currency = None
         if self.admission is not None:
+            metered = (
+                None
+                if usage is None
+                else Metered(
+                    usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, usage.gpu_ms
+                )
+            )
+            hold = self.admission.hold
+            cost = await self.admission.settle(metered)
+            currency = None if hold is None else hold.prices.currency
             await self.admission.release(used)
         record = RequestRecord(
             request_id=self.request_id,
@@ -455,6 +483,8 @@ class Generation:
             started_at=self.started_at,
             latency_ms=(time.monotonic() - self.started) * 1e3,
             stream=self.stream,
+            cost=cost,
+            currency=None if cost is None else currency,
         )
         log.info(
             "generation %s: %s prompt + %s completion tokens in %.0f ms",

@@ -47,6 +47,8 @@ class MeteringObserver:
                 replica=usage.replica,
                 started_at=record.started_at,
                 finished_at=finished if finished.tzinfo else finished.replace(tzinfo=UTC),
+                cost=None if record.cost is None else str(record.cost),
+                currency=record.currency,
             ),
         )
         self.delivery.wake()

@@ -6,6 +6,7 @@ failed), which metering turns into a usage event.
 
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Literal, Protocol
 
 from adapters.ref import AdapterRef
@@ -28,6 +29,8 @@ class RequestRecord:
     started_at: datetime
     latency_ms: float
     stream: bool
+    cost: Decimal | None = None  # settled at admission's prices (app/budget_guard.py); None: not priced
+    currency: str | None = None
 
 
 class RequestObserver(Protocol):

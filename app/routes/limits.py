@@ -1,4 +1,5 @@
-"""GET /v1/limits: the calling tenant's rate limits and its headroom in the current window.
+"""GET /v1/limits: the calling tenant's rate limits and its headroom in the current window, and its money
+(balance, spend this period, reserved now, spend limits) when it is prepaid or spend-limited.
 
 Headroom is read with the limiter backend's `peek`, which admits, reserves and renews nothing: reading it
 as often as you like never costs a request or a token. Reads go through a PeekCache, so the figures may be
@@ -6,15 +7,19 @@ up to a second old and a loop of reads cannot load the limiter every admission n
 carries the same x-ratelimit-* headers an admitted request gets, so clients can read either.
 """
 
+from decimal import Decimal
 from typing import Literal
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
+from app.budget_view import budget_out
 from app.deps import ReaderDep, ServicesDep
-from app.limits import WINDOW_MS, Decision, Limits, WindowState
+from app.errors import BudgetUnavailable
+from app.limits import WINDOW_MS, Decision, LimiterUnavailable, Limits, WindowState
 from app.limits.peek_cache import PeekCache
 from app.routes.guarded import TenantRoute
+from app.schemas.budgets import BudgetOut
 
 router = APIRouter(prefix="/v1", tags=["limits"], route_class=TenantRoute)
 
@@ -53,6 +58,11 @@ class RateLimitsOut(BaseModel):
     limits: TierLimitsOut
     headroom: HeadroomOut | None = Field(
         description="null when the tier has no limit at all: admission then counts nothing to report."
+    )
+    budget: BudgetOut | None = Field(
+        default=None,
+        description="Money: balance, spend this period, reserved now, spend limits; null: neither prepaid "
+        "nor spend-limited.",
     )
 
 
@@ -102,7 +112,20 @@ async def rate_limits(
         window = await peeks.peek(principal.tenant_id)
         headroom = _headroom(window, limits)
         response.headers.update(_headers(window, limits))
+    budget = None
+    guard = services.budget_guard
+    if principal.budgeted and guard is not None:
+        try:
+            budget = await budget_out(guard, principal.tenant_id, with_entries=False)
+        except LimiterUnavailable:
+            raise BudgetUnavailable() from None
+        if budget.remaining is not None:
+            response.headers["x-budget-remaining"] = format(
+                budget.remaining.quantize(Decimal("0.000001")), "f"
+            )
+            response.headers["x-budget-currency"] = budget.currency
     return RateLimitsOut(
+        budget=budget,
         tier=principal.tier,
         window_ms=WINDOW_MS,
         limits=TierLimitsOut(

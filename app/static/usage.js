@@ -307,6 +307,31 @@
     const over = l.on_limit === "queue" ? `over a limit: queue up to ${decimal.format(l.max_queue_ms / 1000)} s` : "over a limit: 429 at once";
     const inFlight = h === null ? "" : ` · ${h.in_flight} sequences in flight, ${h.queued} queued`;
     $("limits-detail").textContent = `${cap} · ${over}${inFlight}`;
+    renderBudget(body.budget);
+  }
+
+  // Money (issue 29): balance, spend this period, reserved now and the spend limits, as text only.
+  function renderBudget(b) {
+    const box = $("budget");
+    box.hidden = !b;
+    if (!b) return;
+    const cur = b.currency.toUpperCase();
+    const figures = [];
+    if (b.balance !== null) figures.push(["Balance", `${b.balance} ${cur}`]);
+    figures.push(["Spent today", `${b.spent_today} ${cur}`], ["Spent this month", `${b.spent_this_month} ${cur}`],
+      ["Reserved now", `${b.reserved} ${cur}`]);
+    for (const [period, limit] of Object.entries(b.limits)) {
+      figures.push([`${period === "day" ? "Daily" : "Monthly"} limit (${limit.hard ? "hard" : "soft"})`,
+        `${limit.amount} ${cur}, ${limit.remaining} left`]);
+    }
+    $("budget-figures").replaceChildren(...figures.flatMap(([name, value]) => {
+      const dt = document.createElement("dt");
+      dt.textContent = name;
+      const dd = document.createElement("dd");
+      dd.textContent = value;
+      return [dt, dd];
+    }));
+    $("budget-events").textContent = b.soft_limit_events.length ? `Soft limit passed: ${b.soft_limit_events.join("; ")}` : "";
   }
 
   function renderModels(body) {

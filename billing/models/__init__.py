@@ -6,6 +6,8 @@
 - usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport;
 - stored_response: StoredResponse (the Responses API's stored responses).
 
+- credit: CreditEntry, SpendLimit, BudgetEvent (issue 29);  price: PriceChange (effective-dated prices).
+
 Importing this package imports every module, so Base.metadata holds every table (migrations/env.py relies
 on it) and foreign keys named as strings ("tenants.id") resolve; import the names from here.
 
@@ -25,18 +27,27 @@ from billing.models.usage import UsageEvent, UsageRollup
 from billing.models.stripe_export import StripeExport
 from billing.models.engine_report import EngineReport
 from billing.models.stored_response import StoredResponse
+
+from billing.models.credit import PERIODS, BudgetEvent, CreditEntry, SpendLimit
+from billing.models.price import PriceChange
 # isort: on
 
 __all__ = [
     "LIMIT_FIELDS",
     "NAMING_CONVENTION",
+    "PERIODS",
     "PUBLIC_OWNER",
     "Adapter",
     "AdapterVersion",
     "ApiKey",
     "Base",
+    "BudgetEvent",
+    "CreditEntry",
     "EngineReport",
     "StoredResponse",
+
+    "PriceChange",
+    "SpendLimit",
     "StripeExport",
     "Tenant",
     "TenantStatus",

@@ -3,7 +3,7 @@
 from datetime import datetime
 from enum import StrEnum
 
-from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Integer, String
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from billing.models.base import Base, UTCDateTime, new_id, utcnow
@@ -33,3 +33,5 @@ class Tenant(Base):
     max_concurrent: Mapped[int | None] = mapped_column(Integer)
     max_tokens_cap: Mapped[int | None] = mapped_column(Integer)
     stripe_customer_id: Mapped[str | None] = mapped_column(String(64))  # where its usage is billed
+    # Prepaid: it is served only while its credit (billing.models.credit) covers the worst case.
+    prepaid: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -5,8 +5,9 @@ billing.pricing and billing.stripe_export read the rollups.
 """
 
 from datetime import datetime
+from decimal import Decimal
 
-from sqlalchemy import BigInteger, CheckConstraint, Double, Index, Integer, String, UniqueConstraint
+from sqlalchemy import BigInteger, CheckConstraint, Double, Index, Integer, Numeric, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from billing.models.base import Base, UTCDateTime, utcnow
@@ -41,6 +42,10 @@ class UsageEvent(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime] = mapped_column(UTCDateTime)
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # What the request cost, fixed when it was settled at the prices in force then (billing.price_book);
+    # NULL only for rows recorded by a version that did not price them.
+    cost: Mapped[Decimal | None] = mapped_column(Numeric(18, 6))
+    currency: Mapped[str | None] = mapped_column(String(3))
 
 
 class UsageRollup(Base):

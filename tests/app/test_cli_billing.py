@@ -4,17 +4,19 @@ import itertools
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 from typer.testing import CliRunner, Result
 
 from app.cli import build_app
 from bench.stripe_stub import EVENT_NAMES, StripeStub
 from billing.db import make_engine, make_session_factory, session_scope
 from billing.migrate import upgrade
-from billing.models import Tenant
+from billing.models import Tenant, UsageEvent
 from billing.usage import UsageRecord, hour_of, record_usage
 
 _ids = itertools.count()
@@ -26,6 +28,7 @@ def record(tenant: str, started_at: datetime, tokens: int) -> UsageRecord:
         adapter_id=None, adapter_version=None, status="completed", finish_reason="stop", prompt_tokens=tokens,
         cached_tokens=tokens // 4, completion_tokens=tokens // 2, gpu_ms=tokens * 1.5, queue_ms=0.0,
         ttft_ms=1.0, latency_ms=2.0, replica="r0", started_at=started_at, finished_at=started_at,
+        cost="0", currency="usd",  # the free tier's prices are 0
     )  # fmt: skip
 
 
@@ -95,6 +98,30 @@ def test_rollup_export_and_reconcile(database: str, stub: StripeStub) -> None:
         cli("--json", "billing", "reconcile", "--start", start, "--end", end, "--no-stripe")
     )
     assert without_stripe == {**clean, "stripe_checked": False}
+
+
+def test_reconcile_checks_settled_spend_against_the_price_history(database: str) -> None:
+    """Each usage row's settled cost against the price book, per tenant and UTC day, to the cent."""
+    start, end = window()
+    clean = as_json(cli("--json", "billing", "reconcile", "--start", start, "--end", end, "--no-stripe"))
+    assert clean["spend_discrepancies"] == []
+    engine = make_engine(database)
+    with session_scope(make_session_factory(engine)) as s:
+        row = s.scalars(select(UsageEvent).where(UsageEvent.tenant_id == "ten_b").limit(1)).one()
+        row.cost = Decimal("0.02")  # settled at a price the history never had
+        s.add(UsageEvent(**{**{c.name: getattr(row, c.name) for c in UsageEvent.__table__.columns},
+                            "request_id": "unpriced", "cost": None}))  # fmt: skip
+    engine.dispose()
+    found = as_json(cli("--json", "billing", "reconcile", "--start", start, "--end", end, "--no-stripe"), 1)
+    (d,) = found["spend_discrepancies"]
+    assert (d["tenant_id"], d["settled"], d["repriced"], d["unpriced"]) == (
+        "ten_b",
+        "0.020000",
+        "0.000000",
+        1,
+    )
+    human = cli("billing", "reconcile", "--start", start, "--end", end, "--no-stripe")
+    assert human.exit_code == 1 and "1 spend discrepancies" in human.stdout and "ten_b" in human.stdout
 
 
 def test_export_exits_1_when_events_stay_pending(

@@ -14,6 +14,11 @@ import pytest
 import ray
 import redis
 
+from app.budgets.local_backend import LocalBudgets
+from app.budgets.protocol import BudgetBackend
+from app.budgets.ray_backend import ACTOR_NAME as BUDGET_ACTOR
+from app.budgets.ray_backend import RayBudgets
+from app.budgets.redis_backend import RedisBudgets
 from app.limits import LimiterBackend
 from app.limits.local_backend import LocalLimiter
 from app.limits.ray_backend import ACTOR_NAME, RayLimiter
@@ -121,3 +126,34 @@ def backend(request: pytest.FixtureRequest) -> LimiterBackend:
         return LocalLimiter()
     limiter: LimiterBackend = request.getfixturevalue(f"{request.param}_limiter")
     return limiter
+
+
+@pytest.fixture(params=BACKENDS)
+async def budgets(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[BudgetBackend]:
+    """Each budget backend in turn, on empty state (the Ray actor in a namespace of its own)."""
+    if request.param == "local":
+        yield LocalBudgets()
+    elif request.param == "ray":
+        request.getfixturevalue("ray_actors")  # the module's cluster
+        namespace = f"loraplex-test-{uuid.uuid4().hex}"
+        backend = RayBudgets(namespace=namespace, timeout_s=20)
+        actor = ray.get_actor(BUDGET_ACTOR, namespace=namespace)
+        await actor.__ray_ready__.remote()
+        try:
+            yield backend
+        finally:
+            ray.kill(actor)
+    else:
+        prefix = f"loraplex-test:{uuid.uuid4().hex}"
+        redis_budgets = RedisBudgets(redis_url, key_prefix=prefix)
+        try:
+            yield redis_budgets
+        finally:
+            await redis_budgets.aclose()
+            client = redis.Redis.from_url(redis_url)
+            try:
+                stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+                if stale:
+                    client.delete(*stale)
+            finally:
+                client.close()

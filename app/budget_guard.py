@@ -1,0 +1,192 @@
+"""BudgetGuard: a request's money, from its reservation at admission to its settlement when it ends.
+
+At admission the request's worst case (every prompt token at the dearer input price, every choice of
+every prompt its max_tokens of output) is held against the tenant's credit and hard spend limits in the
+shared budget backend, atomically there, so concurrent requests on any number of ingress replicas can
+never together be served more than the tenant has. When the request ends it settles to its metered cost
+at the same prices (never more than it held), and the rest is released. A backend that lost its state
+answers `not_loaded` and the tenant is loaded again from the database first; a backend that cannot be
+reached refuses a budgeted tenant's request with a 503 whatever the rate limiter's fail_open: budgets fail
+closed. Tenants without credit or limits reserve nothing, but their requests are still priced: every
+usage row's cost is fixed when it settles.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from app.budgets.protocol import BudgetBackend, BudgetView, Hold, Periods
+from app.errors import BudgetUnavailable, InsufficientQuota
+from app.price_cache import PriceCache
+from billing import credit
+from billing.micros import from_micros, to_micros
+from billing.price_book import Metered, cost_of, worst_case
+from billing.pricing import Prices
+
+log = logging.getLogger(__name__)
+HOLD_TTL_MS = 120_000  # a hold nobody renews (every 30 s, with the rate-limit lease) or settles lapses
+_RETRIES: set["asyncio.Future[None]"] = set()  # background settle retries, kept from the GC
+_LIMIT_NAMES = {"credit": "prepaid credit", "day": "daily spend limit", "month": "monthly spend limit"}
+
+
+def periods_at(moment: datetime | None = None) -> Periods:
+    moment = moment or datetime.now(UTC)
+    return Periods(day=credit.period_key("day", moment), month=credit.period_key("month", moment))
+
+
+@dataclass(frozen=True)
+class BudgetHold:
+    """What admission took for one request: the prices it runs at, and what it holds (None: nothing)."""
+
+    tenant_id: str
+    request_id: str
+    prices: Prices
+    amount: int | None
+    view: BudgetView | None
+
+    def headers(self) -> dict[str, str]:
+        remaining = None if self.view is None else self.view.remaining()
+        if remaining is None:
+            return {}
+        return {
+            "x-budget-remaining": str(from_micros(max(0, remaining))),
+            "x-budget-currency": self.prices.currency,
+        }
+
+
+class BudgetGuard:
+    def __init__(
+        self, backend: BudgetBackend, session_factory: Callable[[], Session], *, price_ttl_s: float
+    ) -> None:
+        self.backend = backend
+        self._sessions = session_factory
+        self.prices = PriceCache(session_factory, ttl_s=price_ttl_s)
+        self._soft_written: set[tuple[str, str]] = set()  # (tenant, period key) this replica has written
+
+    async def hold(
+        self,
+        *,
+        tenant_id: str,
+        budgeted: bool,
+        request_id: str,
+        base_model: str,
+        adapter_id: str | None,
+        prompt_tokens: int,
+        output_tokens: int,
+    ) -> BudgetHold:
+        """Reserve the request's worst case, or raise InsufficientQuota (429) / BudgetUnavailable (503)."""
+        try:
+            prices = await self.prices.get(tenant_id, base_model, adapter_id)
+        except Exception:
+            log.exception("reading the prices of %s failed", tenant_id)
+            raise BudgetUnavailable() from None
+        if not budgeted:
+            return BudgetHold(tenant_id, request_id, prices, None, None)
+        amount = to_micros(worst_case(prompt_tokens, output_tokens, prices))
+        periods = periods_at()
+        try:
+            hold = await self.backend.reserve(tenant_id, request_id, amount, HOLD_TTL_MS, periods)
+            if hold.reason == "not_loaded":
+                await self.load(tenant_id)
+                hold = await self.backend.reserve(tenant_id, request_id, amount, HOLD_TTL_MS, periods)
+        except Exception as error:  # the backend or the database is away: fail closed
+            log.warning("budget check for %s failed, refusing: %s", request_id, error)
+            raise BudgetUnavailable() from None
+        if not hold.admitted:
+            raise self._refusal(hold, amount, prices)
+        assert hold.view is not None
+        await self._soft_events(tenant_id, hold.view, periods)
+        return BudgetHold(tenant_id, request_id, prices, amount, hold.view)
+
+    def sessions(self) -> Session:
+        return self._sessions()
+
+    async def load(self, tenant_id: str) -> None:
+        snapshot = await run_in_threadpool(self._snapshot, tenant_id)
+        await self.backend.load(snapshot, snapshot.version)
+
+    def _snapshot(self, tenant_id: str) -> credit.BudgetSnapshot:
+        with self._sessions() as session:
+            return credit.snapshot(session, tenant_id=tenant_id)
+
+    @staticmethod
+    def _refusal(hold: Hold, amount: int, prices: Prices) -> InsufficientQuota:
+        reason = hold.reason or "credit"
+        remaining = 0 if hold.view is None else max(0, hold.view.remaining() or 0)
+        headers = {"x-budget-remaining": str(from_micros(remaining)), "x-budget-currency": prices.currency}
+        return InsufficientQuota(
+            _LIMIT_NAMES.get(reason, "budget"),
+            needed=str(from_micros(amount)),
+            remaining=str(from_micros(remaining)),
+            currency=prices.currency,
+            headers=headers,
+        )
+
+    async def _soft_events(self, tenant_id: str, view: BudgetView, periods: Periods) -> None:
+        """A soft limit passed: one budget event per tenant and period (the database keeps it unique)."""
+        for period in view.soft_over():
+            key = periods.day if period == "day" else periods.month
+            if (tenant_id, key) in self._soft_written:
+                continue
+            self._soft_written.add((tenant_id, key))
+            amount = from_micros(view.limits[period][0])
+            detail = f"spend passed the soft {period} limit of {amount}"
+            try:
+                await run_in_threadpool(self._write_event, tenant_id, key, detail)
+            except Exception:  # a warning must never refuse a request
+                log.exception("writing the soft-limit event of %s failed", tenant_id)
+                self._soft_written.discard((tenant_id, key))
+
+    def _write_event(self, tenant_id: str, key: str, detail: str) -> None:
+        with self._sessions() as session, session.begin():
+            credit.record_event(
+                session, tenant_id=tenant_id, period_key=key, kind="soft_limit", detail=detail
+            )
+
+    async def settle(self, hold: BudgetHold, used: Metered | None) -> Decimal:
+        """The request's cost at its admission's prices (0 when nothing ran), spent in the backend (retried
+        in the background if it is away: settling is idempotent per request id)."""
+        cost = Decimal("0.000000") if used is None else cost_of(used, hold.prices)
+        if hold.amount is None:
+            return cost
+        micros = min(to_micros(cost), hold.amount)  # GPU time is not reserved yet: never spend past the hold
+        try:
+            await self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at())
+        except Exception as error:
+            log.warning("settling %s failed, retrying in the background: %s", hold.request_id, error)
+            retry = asyncio.ensure_future(self._settle_until_done(hold, micros))
+            _RETRIES.add(retry)
+            retry.add_done_callback(_RETRIES.discard)
+        return cost
+
+    async def _settle_until_done(self, hold: BudgetHold, micros: int) -> None:
+        wait = 0.5
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HOLD_TTL_MS / 1000
+        while loop.time() < deadline:
+            await asyncio.sleep(wait)
+            try:
+                await self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at())
+                return
+            except Exception:
+                wait = min(wait * 2, 5.0)
+        log.warning("gave up settling %s: its usage row carries the cost to the next load", hold.request_id)
+
+    async def renew(self, hold: BudgetHold) -> None:
+        if hold.amount is not None:
+            await self.backend.renew(hold.tenant_id, hold.request_id, HOLD_TTL_MS)
+
+    async def view(self, tenant_id: str) -> BudgetView | None:
+        """The tenant's budget now (loaded first if the backend has not got it)."""
+        periods = periods_at()
+        view = await self.backend.peek(tenant_id, periods)
+        if view is None:
+            await self.load(tenant_id)
+            view = await self.backend.peek(tenant_id, periods)
+        return view

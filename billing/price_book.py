@@ -1,0 +1,165 @@
+"""The price book: which prices were in force for a request, and what a request costs at them.
+
+Prices are effective-dated rows (billing.models.PriceChange) in scopes, from the broadest to the most
+specific: the tenant's tier, the tenant itself, and either narrowed to a base model or an adapter (a
+premium adapter). At a moment, the most specific scope that has a row in force wins, and within it the
+latest row. A price change is a new row: what a past request cost (usage_events.cost, fixed when it was
+settled) never changes.
+
+Costs use billing.pricing's arithmetic: each part (input, cached input, output, GPU time) rounded once to
+6 decimals, half to even, then summed.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import ROUND_CEILING, Context, Decimal, localcontext
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from billing import repository
+from billing.models import PriceChange, Tier, utcnow
+from billing.pricing import (
+    MILLION,
+    MONEY_STEP,
+    ZERO,
+    Prices,
+    gpu_cost,
+    gpu_seconds_of,
+    ms_decimal,
+    token_cost,
+)
+
+
+@dataclass(frozen=True)
+class Metered:
+    """What a request used, as the engine reported it."""
+
+    prompt_tokens: int
+    cached_tokens: int  # part of prompt_tokens
+    completion_tokens: int
+    gpu_ms: float = 0.0
+
+
+def set_prices(
+    session: Session,
+    *,
+    tenant_id: str,
+    prices: Prices,
+    base_model: str | None = None,
+    adapter_id: str | None = None,
+    effective_from: datetime | None = None,
+) -> PriceChange:
+    """Prices for one tenant (optionally only for one base model or adapter), from `effective_from`."""
+    repository.get_tenant(session, tenant_id=tenant_id)
+    row = PriceChange(
+        tenant_id=tenant_id,
+        base_model=base_model,
+        adapter_id=adapter_id,
+        effective_from=effective_from or utcnow(),
+        input_per_mtok=prices.input_per_mtok,
+        cached_input_per_mtok=prices.cached_input_per_mtok,
+        output_per_mtok=prices.output_per_mtok,
+        gpu_per_second=prices.gpu_per_second,
+        currency=prices.currency,
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def prices_at(
+    session: Session, *, tenant_id: str, base_model: str, adapter_id: str | None, at: datetime | None = None
+) -> Prices:
+    """The prices in force for this tenant, model and adapter at `at` (default now). Raises
+    TenantNotFound. A tier with no history row yet (made by hand in the database) bills its columns."""
+    at = at or utcnow()
+    tenant = repository.get_tenant(session, tenant_id=tenant_id)
+    rows = session.scalars(
+        select(PriceChange).where(
+            PriceChange.effective_from <= at,
+            or_(
+                (PriceChange.tier == tenant.tier) & PriceChange.tenant_id.is_(None),
+                PriceChange.tenant_id == tenant_id,
+            ),
+            or_(PriceChange.base_model.is_(None), PriceChange.base_model == base_model),
+            or_(PriceChange.adapter_id.is_(None), PriceChange.adapter_id == adapter_id),
+        )
+    ).all()
+    best = choose(rows, tenant_id=tenant_id, tier=tenant.tier, base_model=base_model, adapter_id=adapter_id,
+                  at=at)  # fmt: skip
+    if best is None:
+        return tier_prices(repository.get_tier(session, name=tenant.tier))
+    return as_prices(best, tenant.tier)
+
+
+def choose(
+    rows: Iterable[PriceChange],
+    *,
+    tenant_id: str,
+    tier: str,
+    base_model: str,
+    adapter_id: str | None,
+    at: datetime,
+) -> PriceChange | None:
+    """The row in force: of those that apply at `at`, the most specific scope's latest."""
+    applying = [
+        r for r in rows
+        if r.effective_from <= at
+        and ((r.tier == tier and r.tenant_id is None) or r.tenant_id == tenant_id)
+        and r.base_model in (None, base_model)
+        and r.adapter_id in (None, adapter_id)
+    ]  # fmt: skip
+    if not applying:
+        return None
+    return max(applying, key=lambda r: (_specificity(r), r.effective_from, r.created_at))
+
+
+def as_prices(row: PriceChange, tier: str) -> Prices:
+    return Prices(
+        tier=tier,
+        currency=row.currency,
+        input_per_mtok=Decimal(row.input_per_mtok),
+        cached_input_per_mtok=Decimal(row.cached_input_per_mtok),
+        output_per_mtok=Decimal(row.output_per_mtok),
+        gpu_per_second=Decimal(row.gpu_per_second),
+    )
+
+
+def tier_prices(tier: Tier) -> Prices:
+    """The tier's current prices, as its columns hold them."""
+    return Prices(
+        tier=tier.name,
+        currency=tier.currency,
+        input_per_mtok=Decimal(tier.price_input_per_mtok),
+        cached_input_per_mtok=Decimal(tier.price_cached_input_per_mtok),
+        output_per_mtok=Decimal(tier.price_output_per_mtok),
+        gpu_per_second=Decimal(tier.price_gpu_per_second),
+    )
+
+
+def _specificity(row: PriceChange) -> tuple[bool, bool, bool]:
+    return (row.adapter_id is not None, row.base_model is not None, row.tenant_id is not None)
+
+
+def cost_of(used: Metered, prices: Prices) -> Decimal:
+    """What `used` costs at `prices`, in the prices' currency, rounded per part as bills are."""
+    parts = (
+        token_cost(used.prompt_tokens - used.cached_tokens, prices.input_per_mtok),
+        token_cost(used.cached_tokens, prices.cached_input_per_mtok),
+        token_cost(used.completion_tokens, prices.output_per_mtok),
+        gpu_cost(gpu_seconds_of(ms_decimal(used.gpu_ms)), prices.gpu_per_second),
+    )
+    return sum(parts, ZERO)
+
+
+def worst_case(prompt_tokens: int, output_tokens: int, prices: Prices) -> Decimal:
+    """An upper bound of what a request with these prompt tokens and at most `output_tokens` output can
+    cost in tokens: every prompt token at the dearer of the input prices (the cache may or may not hit),
+    rounded up, plus 2 micro-units for cost_of's three half-even roundings (each at most half a micro-unit
+    up). cost_of is monotonic in each count, so no metered usage within these bounds costs more."""
+    dearest = max(prices.input_per_mtok, prices.cached_input_per_mtok)
+    with localcontext(Context(prec=60)):
+        exact = (Decimal(prompt_tokens) * dearest + Decimal(output_tokens) * prices.output_per_mtok) / MILLION
+        return exact.quantize(MONEY_STEP, rounding=ROUND_CEILING) + 2 * MONEY_STEP
