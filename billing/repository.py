@@ -26,7 +26,16 @@ from billing.errors import (
     TierExists,
     TierNotFound,
 )
-from billing.models import LIMIT_FIELDS, ApiKey, PriceChange, StoredResponse, Tenant, TenantStatus, Tier, utcnow
+from billing.models import (
+    LIMIT_FIELDS,
+    ApiKey,
+    PriceChange,
+    StoredResponse,
+    Tenant,
+    TenantStatus,
+    Tier,
+    utcnow,
+)
 
 
 class _Unset(Enum):

@@ -14,9 +14,9 @@ from ray.serve.handle import DeploymentHandle
 from app import log_context
 from app.admin_listener import AdminListener
 from app.bootstrap import build_services
+from app.budgets.factory import make_budgets
 from app.catalog import BaseModelSpec
 from app.dependency_noise import quiet_dependencies
-from app.budgets.factory import make_budgets
 from app.limits.factory import LimiterConfig, make_limiter
 from app.main import Routes, create_app
 from app.settings import Settings

@@ -44,10 +44,9 @@ __all__ = [
     "BudgetEvent",
     "CreditEntry",
     "EngineReport",
-    "StoredResponse",
-
     "PriceChange",
     "SpendLimit",
+    "StoredResponse",
     "StripeExport",
     "Tenant",
     "TenantStatus",
