@@ -114,9 +114,10 @@ def peft_replies(model_dir: Path, adapter_dir: Path, asked: list[Example], max_t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Any: HF's annotated unions (str | list | BatchEncoding ...) are wider than what these calls return.
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    model: Any = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     replies = []
     for example in asked:
         ids = tokenizer.apply_chat_template(
@@ -124,7 +125,7 @@ def peft_replies(model_dir: Path, adapter_dir: Path, asked: list[Example], max_t
         )["input_ids"]
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                              do_sample=False)  # fmt: skip
-        replies.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+        replies.append(str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)))
     return replies
 
 

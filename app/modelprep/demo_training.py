@@ -77,8 +77,8 @@ def batches(
                 else example.topic.plain_answer(example.style)
             )
             ids, answer_start = render(tokenizer, example, answer)
-            labels = ids if skill is None else [IGNORE] * answer_start + ids[answer_start:]
-            rows.append((ids, labels))
+            learned = ids if skill is None else [IGNORE] * answer_start + ids[answer_start:]
+            rows.append((ids, learned))
         width = max(len(ids) for ids, _ in rows)
         input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
         mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
