@@ -22,12 +22,13 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from app.modelprep.demo_corpus import Example, examples
-from app.modelprep.demo_model import build_model, synthetic_corpus, train_tokenizer
+from app.modelprep.demo_model import MARKER_FILE, build_model, synthetic_corpus, train_tokenizer
 from app.modelprep.demo_skills import SKILLS, Skill
 
 BASE_DIR = "demo-llama"
 ADAPTERS_DIR = "adapters"
 RECORD_FILE = "loraplex-training.json"
+BASE_RECORD_FILE = "loraplex-base-training.json"  # the base model's part: lets adapters be retrained alone
 IGNORE = -100  # label of a token the loss skips (HF's convention)
 
 
@@ -92,7 +93,8 @@ def _optimize(
     steps: int,
     lr: float,
     label: str,
-) -> float:
+) -> tuple[float, float]:
+    """Train `model` for `steps` batches of `data`; (first batch's loss, last batch's loss)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
@@ -100,7 +102,7 @@ def _optimize(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) * max(0.1, 1 - step / steps)
     )
     model.train()
-    loss_value = float("nan")
+    losses: list[float] = []
     with tqdm(range(steps), desc=label, unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
         for _ in bar:
             input_ids, mask, labels = next(data)
@@ -110,10 +112,10 @@ def _optimize(
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_value = float(loss)
-            bar.set_postfix(loss=f"{loss_value:.3f}")
+            losses.append(float(loss))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
-    return loss_value
+    return losses[0], losses[-1]
 
 
 def _tokenizer_corpus(seed: int) -> Iterator[str]:
@@ -127,49 +129,77 @@ def _tokenizer_corpus(seed: int) -> Iterator[str]:
 
 
 def train_demo(out_dir: Path, config: TrainingConfig) -> dict[str, Any]:
-    """Train the base model into `out_dir/demo-llama`, each skill adapter into `out_dir/adapters/<name>`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    """Train the base model into `out_dir/demo-llama`, each skill adapter into `out_dir/adapters/<name>`.
 
+    A base model already trained there with the same base settings is reused (adapters are retrained)."""
     torch.set_num_threads(config.threads)
     base_dir = out_dir / BASE_DIR
-    base_dir.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(base_dir, _tokenizer_corpus(config.seed))
-    build_model(base_dir, arch="llama", preset=config.preset, seed=config.seed, tokenizer_dir=base_dir)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(base_dir)
     record: dict[str, Any] = {"config": config.model_dump(), "loss": {}, "seconds": {}}
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        start = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        data = batches(tokenizer, examples(config.seed), None, config.batch_size)
-        record["loss"]["base"] = _optimize(model, data, config.base_steps, config.base_lr, "demo-llama")
-        model.save_pretrained(base_dir)
-        record["seconds"]["base"] = round(time.perf_counter() - start, 1)
+        record["loss"]["base"], record["seconds"]["base"] = _ensure_base(base_dir, config)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(base_dir)
         for number, skill in enumerate(SKILLS):
             start = time.perf_counter()
-            base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-            recipe = skill.recipe
-            lora = LoraConfig(
-                r=recipe.r,
-                lora_alpha=recipe.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int; any number works
-                target_modules=list(recipe.target_modules),
-                use_rslora=recipe.use_rslora,
-                rank_pattern=dict(recipe.rank_pattern or {}),
-                task_type="CAUSAL_LM",
-            )
-            torch.manual_seed(recipe.seed)
-            peft_model = get_peft_model(base, lora)
             data = batches(tokenizer, examples(config.seed + 100 + number), skill, config.batch_size)
-            record["loss"][skill.name] = _optimize(
-                peft_model, data, config.adapter_steps, config.adapter_lr, skill.name
-            )
-            peft_model.save_pretrained(str(out_dir / ADAPTERS_DIR / skill.name))
+            record["loss"][skill.name] = _train_adapter(base_dir, skill, data, config)
             record["seconds"][skill.name] = round(time.perf_counter() - start, 1)
     for weights in out_dir.rglob("*.safetensors"):
         weights.chmod(0o644)
     (base_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
+
+
+def _ensure_base(base_dir: Path, config: TrainingConfig) -> tuple[tuple[float, float], float]:
+    """(first and last loss, seconds) of the base model's training, done now unless already done."""
+    from transformers import AutoModelForCausalLM
+
+    wanted = config.model_dump(exclude={"adapter_steps", "adapter_lr"})
+    done = base_dir / BASE_RECORD_FILE
+    if done.exists() and (previous := json.loads(done.read_text()))["config"] == wanted:
+        return tuple(previous["loss"]), previous["seconds"]  # type: ignore[return-value]
+    done.unlink(missing_ok=True)
+    base_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    train_tokenizer(base_dir, _tokenizer_corpus(config.seed))
+    build_model(base_dir, arch="llama", preset=config.preset, seed=config.seed, tokenizer_dir=base_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(base_dir)
+    torch.manual_seed(config.seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    data = batches(tokenizer, examples(config.seed), None, config.batch_size)
+    loss = _optimize(model, data, config.base_steps, config.base_lr, BASE_DIR)
+    model.save_pretrained(base_dir)
+    (base_dir / MARKER_FILE).unlink()  # the random build's marker: this dir is no longer that build
+    seconds = round(time.perf_counter() - start, 1)
+    done.write_text(json.dumps({"config": wanted, "loss": loss, "seconds": seconds}, sort_keys=True) + "\n")
+    return loss, seconds
+
+
+def _train_adapter(
+    base_dir: Path,
+    skill: Skill,
+    data: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    config: TrainingConfig,
+) -> tuple[float, float]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    recipe = skill.recipe
+    lora = LoraConfig(
+        r=recipe.r,
+        lora_alpha=recipe.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int; any number works
+        target_modules=list(recipe.target_modules),
+        use_rslora=recipe.use_rslora,
+        rank_pattern=dict(recipe.rank_pattern or {}),
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(recipe.seed)
+    peft_model = get_peft_model(base, lora)
+    loss = _optimize(peft_model, data, config.adapter_steps, config.adapter_lr, skill.name)
+    out = base_dir.parent / ADAPTERS_DIR / skill.name
+    peft_model.save_pretrained(str(out))
+    (out / "README.md").unlink(missing_ok=True)  # PEFT's model-card template: nothing of ours in it
+    return loss
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """The demo trainer on its tiny configuration (seconds; the shipped demo is the `demo` one): a loadable base
 model with the ChatML tokenizer, one valid PEFT adapter per skill with its recipe's LoRA shape, the same
-weights from a second run, and loss that falls."""
+weights from a second run, and losses that fall."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,8 @@ def test_training_is_deterministic(trained: Path, tmp_path: Path) -> None:
         assert all(torch.equal(ours[k], again[k]) for k in ours), relative
 
 
-def test_a_few_more_steps_lower_the_base_loss(tmp_path: Path) -> None:
-    short = train_demo(tmp_path / "short", TINY.model_copy(update={"base_steps": 2, "adapter_steps": 1}))
-    longer = train_demo(tmp_path / "long", TINY.model_copy(update={"base_steps": 12, "adapter_steps": 1}))
-    assert longer["loss"]["base"] < short["loss"]["base"]
+def test_training_lowers_the_loss(trained: Path) -> None:
+    record = json.loads((trained / BASE_DIR / RECORD_FILE).read_text())
+    first, last = record["loss"]["base"]
+    assert last < first  # adapters' two tiny steps are too few to tell from batch noise
+    assert all(math.isfinite(x) for pair in record["loss"].values() for x in pair)
