@@ -156,7 +156,7 @@ def _ensure_base(base_dir: Path, config: TrainingConfig) -> tuple[tuple[float, f
     wanted = config.model_dump(exclude={"adapter_steps", "adapter_lr"})
     done = base_dir / BASE_RECORD_FILE
     if done.exists() and (previous := json.loads(done.read_text()))["config"] == wanted:
-        return tuple(previous["loss"]), previous["seconds"]  # type: ignore[return-value]
+        return tuple(previous["loss"]), previous["seconds"]
     done.unlink(missing_ok=True)
     base_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
