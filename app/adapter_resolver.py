@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from adapters.ref import AdapterRef
-from app.authenticator import Principal
+from app.auth.authenticator import Principal
 from app.schemas.openai import ModelCard
 from billing import adapter_registry
 

@@ -5,11 +5,11 @@ import logging
 from adapters.errors import AdapterStoreUnavailable
 from adapters.store import AdapterStore, remove_stale
 from app.adapter_resolver import AdapterResolver
-from app.admin_auth import AdminAuth
-from app.auth_failures import FailureThrottle
-from app.authenticator import Authenticator
+from app.auth.admin_auth import AdminAuth
+from app.auth.authenticator import Authenticator
+from app.auth.failures import FailureThrottle
+from app.auth.key_usage import KeyUsageRecorder
 from app.catalog import BaseModelSpec, ModelCatalog
-from app.key_usage import KeyUsageRecorder
 from app.limits import LimiterBackend
 from app.limits.local_backend import LocalLimiter
 from app.metering.database_sink import DatabaseSink

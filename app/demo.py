@@ -11,7 +11,7 @@ import yaml
 from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
 from adapters.spec import WEIGHTS_FILE
 from app.adapter_ingest import AdapterIngest
-from app.auth import generate_key
+from app.auth.api_keys import generate_key
 from app.bootstrap import adapter_store
 from app.catalog import BaseModelSpec, ModelCatalog
 from app.demo_assets import shipped_demo

@@ -9,8 +9,8 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from app.authenticator import Principal
-from app.client_address import client_of
+from app.auth.authenticator import Principal
+from app.auth.client_address import client_of
 from app.errors import ReadRateLimited
 from app.middleware import request_id_of
 from app.read_budget import ReadBudget

@@ -35,6 +35,7 @@ from billing.errors import (
 )
 from billing.schema_gate import DatabaseNotMigrated
 from deployments.engine.interface import (
+    BudgetTooSmall,
     EngineError,
     EngineOverloaded,
     EngineStopped,
@@ -247,6 +248,8 @@ def to_api_error(error: Exception) -> APIError:
         return APIError(400, str(error), param=error.param, code="context_length_exceeded")
     if isinstance(error, InvalidTokenCount):  # the schema's bounds normally stop such numbers first
         return APIError(400, str(error), param="max_tokens")
+    if isinstance(error, BudgetTooSmall):
+        return APIError(400, str(error), param="max_tokens", code="max_tokens_too_small")
     if isinstance(error, InvalidRequest):
         return APIError(400, str(error), param=error.param)
     if isinstance(error, QueueShareExceeded):  # this tenant's own backlog, not the engine's: throttled
@@ -264,7 +267,7 @@ def to_api_error(error: Exception) -> APIError:
     if isinstance(error, RequestFailed):
         log.warning("generation failed: %s", error)
         return GenerationFailed()
-    if isinstance(error, AdapterNotFound):  # tenants get ModelNotFound instead (app/generation.py)
+    if isinstance(error, AdapterNotFound):  # tenants get ModelNotFound (completions/generation.py)
         return APIError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, AdapterStoreUnsafe):  # not transient: no retry-after; the reason is in the log
         log.error("adapter upload refused: %s", error)

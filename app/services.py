@@ -8,8 +8,8 @@ from sqlalchemy.orm import Session
 from adapters.ref import AdapterRef
 from adapters.store import AdapterStore
 from app.adapter_resolver import AdapterResolver
-from app.admin_auth import AdminAuth
-from app.authenticator import Authenticator, Principal
+from app.auth.admin_auth import AdminAuth
+from app.auth.authenticator import Authenticator, Principal
 from app.catalog import BaseModelEntry, ModelCatalog
 from app.errors import ModelNotFound
 from app.limits import LimiterBackend

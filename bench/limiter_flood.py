@@ -28,7 +28,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-from app.admission import Admission
+from app.completions.admission import Admission
 from app.limits import LimiterBackend, LimiterUnavailable, Limits
 from bench.measure import machine, spread
 

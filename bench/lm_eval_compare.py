@@ -36,13 +36,13 @@ from app.main import create_app
 from app.modelprep.demo_skills import SKILLS
 from app.modelprep.demo_training import ADAPTERS_DIR, BASE_DIR
 from app.settings import Settings
+from bench.live_server import LiveServer
 from bench.measure import machine
 from billing.migrate import upgrade
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.interface import LocalEngineClient
 from deployments.registry_watcher import RegistryWatcher
-from tests.app.conftest import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "bench" / "lm_eval_task"

@@ -3,8 +3,9 @@ a /v1/completions prompt of token ids.
 
 Tool calls: a `response_format` pattern can make a model write thousands of `<tool_call>` openings with
 no closing one. The lazy regex `<tool_call>(.*?)</tool_call>` this platform used scanned to the end of the
-text again from every opening (quadratic: 6.35 s per choice at 8,192 openings); `app.tool_calls.parse`
-reads the text once, and `ToolCallStream` (fed a few characters at a time, as tokens arrive) too.
+text again from every opening (quadratic: 6.35 s per choice at 8,192 openings);
+`app.completions.tool_calls.parse` reads the text once, and `ToolCallStream` (fed a few characters at a
+time, as tokens arrive) too.
 Prompts: `CompletionRequest` branches on the prompt's first element; the plain union it replaced tried
 `list[str]` on every token id first.
 Peers run in turns (bench.measure.Interleaved); each ratio is old / new, per round.
@@ -21,8 +22,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from app.completions.tool_calls import BEGIN, END, ParsedCall, ToolCallStream, parse, parse_block
 from app.schemas.openai import CompletionRequest
-from app.tool_calls import BEGIN, END, ParsedCall, ToolCallStream, parse, parse_block
 from bench.measure import Interleaved, machine
 
 NAMES = frozenset({"get_weather"})

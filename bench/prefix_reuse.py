@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
+from app.completions.prompts import PromptBuilder
 from app.modelprep.demo_model import ensure_model
-from app.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
 from bench.measure import machine, spread
 from bench.serve_platform import Platform, Tenant, build_adapters, local_platform, stream

@@ -24,23 +24,10 @@ import httpx
 from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
 from app.modelprep.demo_model import ensure_model
 from bench.measure import machine
-from bench.serve_platform import Platform, Snapshot, local_platform
+from bench.routing_counters import routing_delta
+from bench.serve_platform import Platform, local_platform
 
 MODEL = "tiny-llama"
-
-
-def delta(before: Snapshot, after: Snapshot) -> tuple[int, int, dict[str, set[str]]]:
-    """(adapter requests, hits, adapter -> replicas that loaded it) between two snapshots."""
-    requests = hits = 0
-    spread: dict[str, set[str]] = {}
-    for name, now in after.items():
-        then = before.get(name, {"adapter_requests": 0, "adapter_hits": 0, "adapter_loads": {}})
-        requests += now["adapter_requests"] - then["adapter_requests"]
-        hits += now["adapter_hits"] - then["adapter_hits"]
-        for ref, count in now["adapter_loads"].items():
-            if count > then["adapter_loads"].get(ref, 0):
-                spread.setdefault(ref, set()).add(name)
-    return requests, hits, spread
 
 
 async def streamed(client: httpx.AsyncClient, model: str, max_tokens: int) -> float | None:
@@ -88,22 +75,21 @@ def measure(
     for _ in range(args.bursts):
         ttft += asyncio.run(burst(platform.url, key, names, 1, args.max_tokens))
     end = platform.snapshot(replicas)
-    requests, hits, _ = delta(warm, end)
-    _, _, spread = delta(start, end)
-    loads = sum(len(where) for where in spread.values())
+    after_warm_up, whole = routing_delta(warm, end), routing_delta(start, end)
+    requests, hits = after_warm_up.requests, after_warm_up.hits
     # Pinning adapters to homes trades balance for residency: the busiest replica's share shows the cost.
     busiest = max(end[r]["adapter_requests"] - warm[r]["adapter_requests"] for r in end)
     ok = sorted(t for t in ttft if t is not None)
     return {
-        "loads": loads,
-        "duplicate_loads": loads - len(spread),
+        "loads": whole.loads,
+        "duplicate_loads": whole.loads - len(whole.replicas_per_adapter),
         "hit_rate": round(hits / requests, 4) if requests else None,
         "requests_after_warm_up": requests,  # adapter requests the replicas counted: expect bursts * adapters
         "busiest_replica_requests": busiest,  # of those; an even split is requests / 3
         "p50_ttft_ms": round(statistics.median(ok), 1) if ok else None,
         "p95_ttft_ms": round(ok[min(len(ok) - 1, int(0.95 * len(ok)))], 1) if ok else None,
         "errors": sum(t is None for t in warm_up + ttft),
-        "replicas_used": len({r for where in spread.values() for r in where}),
+        "replicas_used": len({r for where in whole.replicas_per_adapter.values() for r in where}),
     }
 
 

@@ -24,11 +24,12 @@ import ray
 import torch
 from ray import serve
 
+from bench.admin_upload import post_adapter
+from bench.routing_counters import Snapshot
 from billing.migrate import upgrade
 from deployments.builder import build_app
 
 APP = "loraplex"
-Snapshot = dict[str, dict[str, Any]]  # replica name -> its row of GET /admin/routing
 # bench.routing's engine: small KV blocks and batches, so a few short requests exercise the slots.
 ROUTING_ENGINE: dict[str, Any] = {
     "num_kv_blocks": 256,
@@ -138,16 +139,8 @@ class Platform:
 
     def upload(self, name: str, owner: str, adapter_dir: Path, base_model: str | None = None) -> None:
         """POST /admin/adapters: `owner` is a tenant id or "public"."""
-        files = {
-            "adapter_config": ("adapter_config.json", (adapter_dir / "adapter_config.json").read_bytes()),
-            "adapter_model": (
-                "adapter_model.safetensors",
-                (adapter_dir / "adapter_model.safetensors").read_bytes(),
-            ),
-        }
-        data = {"name": name, "owner": owner, "base_model": base_model or self.model}
         with self.admin() as admin:
-            admin.post("/admin/adapters", data=data, files=files).raise_for_status()
+            post_adapter(admin, name, owner, adapter_dir, base_model or self.model).raise_for_status()
 
     def usage(
         self, start: datetime, end: datetime, tenant_id: str, group_by: str = "model"

@@ -5,8 +5,9 @@ schema-constrained (a grammar mask per row, in the same forward pass and samplin
 Peer B: the same requests, none constrained. The peers alternate (A B, B A, ...) and the ratio is taken per
 round (A's throughput over B's, seconds apart) and reported as its median and spread, so a noisy neighbour
 on the VM hits both. Also: grammar compile time (p50/p99 over the schema
-set of bench/grammar_libraries.py, each compiled cold) and the mask's cost per constrained token (filling
-and applying it, timed inside the engine step).
+set of bench/grammar_libraries.py, each compiled cold), the mask's cost per constrained token (filling
+and applying it, timed inside the engine step), and the budget-aware closing's upkeep per constrained token
+(GrammarMatcher.take: the closing kept or re-planned after each token).
 
 The ceiling is 1.0 (constraining cannot make the model faster); the goal is >= 0.9.
 
@@ -29,33 +30,22 @@ from bench.assets import ensure_bench_assets
 from bench.grammar_libraries import SCHEMAS, percentile
 from bench.measure import Interleaved, machine
 from deployments.engine.config import EngineConfig
-from deployments.engine.grammar import GrammarCompiler
+from deployments.engine.grammar import GrammarCompiler, GrammarMatcher
 from deployments.engine.interface import EngineRequest, SamplingParams, StructuredOutput
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.scheduler import ScheduledSequence
 
-# A grammar that cannot be complete within max_tokens (64 items of ~20 characters), so every constrained
-# row runs as long as the free rows (EOS ignored): both peers decode the same number of tokens per row.
+# Free strings and arrays, as users write them: the random model never closes a string, so every constrained
+# row runs to max_tokens like the free rows (EOS ignored), and ends by the budget-aware closing. Both peers
+# decode the same number of tokens per row, and the constrained ones pay for the closing too.
 RECORD = {
     "type": "object",
     "properties": {
-        "items": {
-            "type": "array",
-            "minItems": 64,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "id": {"type": "integer", "minimum": 0, "maximum": 999},
-                    "tag": {"enum": ["red", "green", "blue"]},
-                    "note": {"type": "string", "maxLength": 12},
-                },
-                "required": ["id", "tag", "note"],
-                "additionalProperties": False,
-            },
-        }
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "note": {"type": "string"},
     },
-    "required": ["items"],
-    "additionalProperties": False,
+    "required": ["name", "tags"],
 }
 
 
@@ -74,6 +64,32 @@ class MaskTimer:
             self.rows += sum(s.seq.matcher is not None for s in sampling)
 
         engine.logits.constrain = timed  # type: ignore[method-assign]
+
+
+class ClosingTimer:
+    """Wraps GrammarMatcher.take (the class's: every request's matcher) to time the closing's upkeep per
+    constrained token: following the token, checking the closing still finishes in time, re-planning it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.tokens = 0
+        self._inner = GrammarMatcher.take
+
+    def __enter__(self) -> "ClosingTimer":
+        inner, timer = self._inner, self
+
+        def timed(matcher: GrammarMatcher, token_id: int, left: int | None) -> int | None:
+            start = time.perf_counter()
+            taken = inner(matcher, token_id, left)
+            timer.seconds += time.perf_counter() - start
+            timer.tokens += 1
+            return taken
+
+        GrammarMatcher.take = timed  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        GrammarMatcher.take = self._inner  # type: ignore[method-assign]
 
 
 def run_batch(engine: LLMEngine, requests: list[EngineRequest]) -> tuple[float, int]:
@@ -143,7 +159,9 @@ def main() -> None:
     adapters = [*refs, None]  # and the base model
     spec = StructuredOutput(json.dumps(RECORD))
     timer = MaskTimer(engine)
-    run_batch(engine, batch("warm", size, adapters, 4, True, spec))  # adapters into slots, grammar cached
+    run_batch(
+        engine, batch("warm", size, adapters, max_tokens, True, spec)
+    )  # adapters into slots, grammar cached
     timer.seconds, timer.rows = 0.0, 0
 
     ids = itertools.count()  # request ids unique across rounds
@@ -154,7 +172,9 @@ def main() -> None:
         seconds, tokens = run_batch(engine, requests)
         return tokens / seconds
 
-    runs = Interleaved({name: partial(rate, name) for name in ("constrained", "free")}, repeats=repeats).run()
+    with ClosingTimer() as closing:
+        runs = Interleaved({name: partial(rate, name) for name in ("constrained", "free")}, repeats=repeats)
+        runs = runs.run()
     rates, ratio = runs.samples, runs.ratio("constrained", "free")
     compiles = compile_times(engine, 6 if args.tiny else len(SCHEMAS))
     constrained, free = runs.median("constrained"), runs.median("free")
@@ -171,6 +191,8 @@ def main() -> None:
     )
     print(f"grammar compile p50 {percentile(compiles, 0.5):.2f} ms, p99 {percentile(compiles, 0.99):.2f} ms")
     print(f"mask per constrained token: {mask_us:.1f} us (fill + apply)")
+    closing_us = closing.seconds / max(1, closing.tokens) * 1e6
+    print(f"closing per constrained token: {closing_us:.1f} us (follow, check, re-plan; in the engine step)")
     result = {
         "throughput_ratio": round(ratio["median"], 4),
         "throughput_ratio_spread": ratio,
@@ -181,6 +203,7 @@ def main() -> None:
         "compile_p50_ms": round(percentile(compiles, 0.5), 3),
         "compile_p99_ms": round(percentile(compiles, 0.99), 3),
         "mask_us_per_token": round(mask_us, 1),
+        "closing_us_per_token": round(closing_us, 1),
         "batch": size,
         "adapters": num_adapters,
         "preset": preset,

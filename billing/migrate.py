@@ -11,7 +11,8 @@ from alembic.util import CommandError
 from sqlalchemy import Connection
 
 import migrations
-from billing.db import make_engine
+from billing.db import make_engine, normalize_url
+from billing.models import Base
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,10 @@ def alembic_config(url: str) -> Config:
     config.set_main_option("path_separator", "os")  # without it Alembic warns and splits paths on spaces
     # Not a main option: those go through ConfigParser interpolation, and URLs may hold '%'.
     config.attributes["url"] = url
+    # What migrations/env.py needs of billing, handed over so that migrations/ imports nothing of ours.
+    config.attributes.update(
+        target_metadata=Base.metadata, make_engine=make_engine, normalize_url=normalize_url
+    )
     return config
 
 

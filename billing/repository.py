@@ -357,7 +357,7 @@ def create_api_key(
     name: str | None = None,
     expires_at: datetime | None = None,
 ) -> ApiKey:
-    """Store a key made by app.auth.generate_key; a disabled tenant counts as not found."""
+    """Store a key made by app.auth.api_keys.generate_key; a disabled tenant counts as not found."""
     tenant = s.get(Tenant, tenant_id)
     if tenant is None or tenant.status != TenantStatus.ACTIVE:
         raise TenantNotFound(tenant_id)
@@ -394,7 +394,7 @@ def find_active_key(s: Session, *, prefix: str, now: datetime) -> tuple[ApiKey, 
     """The key with this prefix and its tenant, if the key may authenticate at `now`.
 
     None when the key is unknown, revoked, expired (expires_at <= now) or its tenant is disabled. The
-    caller still verifies the hash (app.auth.verify_key).
+    caller still verifies the hash (app.auth.api_keys.verify_key).
     """
     query = (
         select(ApiKey, Tenant)

@@ -15,6 +15,13 @@ replicas before the stats catch up. This router:
   like a recent request's, same tenant and adapter) prefers the replica that served the earlier turn, so
   its prefix-cache blocks are reused.
 
+Serve moves on to the next rank when the replicas of one do not answer its queue-length probe within
+0.1 s, which a busy replica on a loaded machine misses: an adapter request would then spill, and load
+its adapter on a second replica, for want of a timely answer rather than for load. So while the
+policy's pick is not overloaded, an adapter request is offered that replica alone for its first
+HOLD_TRIES rounds (Serve backs off and doubles the probe deadline up to 1 s between them); after those,
+or once Serve drops a dead replica from the candidates, the spill ranks follow.
+
 Each rank returned is a list from which Serve takes the replica with the shortest queue. Within a rank,
 Serve only compares replicas whose queue length it has cached (fresh for 10 s) and probes the others only
 when none is cached: a rank that mixes a replica with recent traffic and freshly started ones sends a
@@ -40,6 +47,8 @@ log = logging.getLogger(__name__)
 PREFIX_TOKENS = 32  # a follow-up turn repeats at least this much of the earlier prompt
 MEMORY = 4096  # recent choices remembered (adapter -> replica, prompt prefix -> replica)
 MEMORY_TTL_S = 600.0
+HOLD_TRIES = 5  # rounds an adapter request waits for its pick (~3 s of probes) before it may spill
+TRIES_ATTRIBUTE = "loraplex_router_tries"  # kept on the request's routing context: it lives as long
 
 
 def rendezvous(key: str, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -97,7 +106,19 @@ class AdapterAwareRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == abort.replica]]
         if request is None:  # stats and other control calls: anyone not overloaded
             return [self._by_load(candidate_replicas)]
-        return [rank for rank in self._rank(candidate_replicas, request) if rank]
+        pick, *fallbacks = self._rank(candidate_replicas, request)
+        adapter_pick = pick if request.adapter is not None else []
+        if adapter_pick and pending_request is not None and self._hold(pending_request):
+            return [adapter_pick]
+        return [rank for rank in [pick, *fallbacks] if rank]
+
+    def _hold(self, pending: PendingRequest) -> bool:
+        """Whether this round still offers the pick alone; Serve then sleeps between rounds."""
+        context = pending.routing_context
+        tries = int(getattr(context, TRIES_ATTRIBUTE, 0)) + 1
+        setattr(context, TRIES_ATTRIBUTE, tries)
+        context.should_backoff = tries <= HOLD_TRIES
+        return tries <= HOLD_TRIES
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = _engine_request(pending_request)

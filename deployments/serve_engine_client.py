@@ -4,7 +4,7 @@ It translates the transport's failures into the engine interface's terms: a repl
 engine loop stopped, raises ReplicaLost (with how many tokens it had delivered); the replica's own named
 errors (bad input, unknown adapter, overload) are raised as themselves. It never retries: whether a lost
 request may run again depends on what its client has seen, which only the caller knows
-(app/generation.py holds the platform's one failover).
+(app/completions/generation.py holds the platform's one failover).
 
 Engine calls are made detached from the ingress request that makes them: when an HTTP client leaves,
 Serve and Ray cancel the ingress's request and, by default, every call it made, so the engine replica

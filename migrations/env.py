@@ -1,24 +1,32 @@
-"""Alembic environment: the billing models' metadata, SQLite and PostgreSQL, online and offline."""
+"""Alembic environment: the billing models' metadata, SQLite and PostgreSQL, online and offline.
 
-import os
+billing/migrate.py runs these scripts and hands them what they need in `config.attributes` (the URL, the
+models' metadata, its engine factory), so migrations/ imports nothing of ours: billing -> migrations is
+the one direction (docs/architecture.md).
+"""
+
+from collections.abc import Callable
+from typing import Any
 
 from alembic import context
-from sqlalchemy import Connection
-
-from billing.db import make_engine, normalize_url
-from billing.models import Base
+from sqlalchemy import URL, Connection, Engine, MetaData
 
 config = context.config
-target_metadata = Base.metadata
+
+
+def _given(name: str) -> Any:
+    if name not in config.attributes:
+        raise RuntimeError(f"no {name}: run migrations through billing.migrate (`loraplex db upgrade`)")
+    return config.attributes[name]
+
+
+target_metadata: MetaData = _given("target_metadata")
+make_engine: Callable[[str], Engine] = _given("make_engine")
+normalize_url: Callable[[str], URL] = _given("normalize_url")
 
 
 def database_url() -> str:
-    """From billing.migrate (config.attributes), else `alembic -x url=...`, else LORAPLEX_DATABASE_URL."""
-    url = config.attributes.get("url") or context.get_x_argument(as_dictionary=True).get("url")
-    url = url or os.environ.get("LORAPLEX_DATABASE_URL")
-    if not url:
-        raise RuntimeError("no database URL: pass -x url=... or set LORAPLEX_DATABASE_URL")
-    return str(url)
+    return str(_given("url"))
 
 
 def run_migrations_offline() -> None:

@@ -43,7 +43,13 @@ BENCHES = {
         "local_ms",
         "ratio_cold_vs_hit_fresh",
     },
-    "structured": {"throughput_ratio", "compile_p50_ms", "compile_p99_ms", "mask_us_per_token"},
+    "structured": {
+        "throughput_ratio",
+        "compile_p50_ms",
+        "compile_p99_ms",
+        "mask_us_per_token",
+        "closing_us_per_token",
+    },
     "parsing": {"openings", "ratio_regex_vs_one_pass", "stream_s", "prompt_ids", "ratio_union_vs_validate"},
     "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},
     "adapter_skills": {"scores", "min_api", "max_base", "max_api_peft_gap"},
@@ -70,12 +76,15 @@ RUN_ELSEWHERE = {"load_test": "tests/e2e/test_load_and_faults.py"}
 HELPERS = {
     "__init__",
     "assets",
-    "load_faults",
     "locustfile",
     "ray_ops",
     "measure",
     "workload",
     "serve_platform",
+    "admin_upload",
+    "routing_counters",
+    "live_server",
+    "stripe_stub",
 }  # pieces of benches, not benches
 
 

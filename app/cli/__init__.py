@@ -8,8 +8,9 @@ Each command group is one `typer.Typer()` in its own module of this package (ten
 adapters, usage, billing, routing, db, kernels; `up`/`status` in run, `ready` in ready); `build_app()`
 registers them on the root. A group takes what it shares with others from the helper modules only, never from
 another group: app.cli.common (global options, the admin client, emit and fail), app.cli.output (tables,
-records, timestamps), app.cli.database (the billing database's URL and errors) and app.cli.limits (the limit
-options of tiers and tenants). A new group lives in its own module and is added to `_groups()`.
+records, timestamps), app.cli.billing_database (the billing database's URL and errors) and
+app.cli.limits (the limit options of tiers and tenants). A new group lives in its own module and is
+added to `_groups()`.
 
 Heavy dependencies (torch, transformers, SQLAlchemy, Alembic, Stripe) are imported when a command runs,
 never at import time, so that `loraplex --help` and the HTTP commands start quickly.

@@ -19,8 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from app.cli.billing_database import existing_database, run_db
 from app.cli.common import EXIT_API_ERROR, EXIT_USAGE, JSON, emit, fail, stdout
-from app.cli.database import existing_database, run_db
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker

@@ -2,8 +2,8 @@
 
 A group (a `typer.Typer()` in its own module of app.cli, registered in app/cli/__init__.py) takes a
 `typer.Context` and calls `admin_client(ctx)`, `emit(ctx, data, human)` and `fail(...)`; tables and records
-come from app.cli.output, the billing database from app.cli.database. Nothing here does any work at import
-time.
+come from app.cli.output, the billing database from app.cli.billing_database. Nothing here does any
+work at import time.
 
 Exit codes: 0 done; 1 the platform refused (its message is printed); 2 the CLI could not get an answer
 (platform unreachable, no admin key, bad options).

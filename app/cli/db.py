@@ -1,12 +1,12 @@
-"""`loraplex db`: migrations of the billing database, run on it directly (app.cli.database), not over
+"""`loraplex db`: migrations of the billing database, run on it directly (app.cli.billing_database), not over
 HTTP. Alembic and the migrations are imported when a command runs: the HTTP commands stay quick to start."""
 
 from typing import Annotated
 
 import typer
 
+from app.cli.billing_database import database_url, missing_sqlite_file, run_db
 from app.cli.common import JSON, emit, stdout
-from app.cli.database import database_url, missing_sqlite_file, run_db
 
 db_app = typer.Typer(
     help="Billing database migrations, run on LORAPLEX_DATABASE_URL directly (not over HTTP).",

@@ -8,6 +8,7 @@
     local_backend.py   LocalLimiter: LimiterState in this process (one ingress replica, tests)
     ray_backend.py     RayLimiter: LimiterState in one named Ray actor (the embedded default)
     redis_backend.py   RedisLimiter: the same algorithm as Lua scripts in Redis (production)
+    lua_scripts.py     the Redis scripts, read once from lua/*.lua (package data)
     factory.py         LimiterConfig (serve_config.yaml's `rate_limiter`) -> a backend
 
 Only factory.py and the composition root (app/bootstrap.py, deployments/ingress.py) name a backend.

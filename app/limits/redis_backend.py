@@ -39,10 +39,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from app.limits.lua_scripts import INVALID, MAX_LIMIT, lua_script
 from app.limits.protocol import (
     DEFAULT_MAX_WAITERS,
     FINAL_REASONS,
-    MAX_TOKENS,
     WINDOW_MS,
     Decision,
     InvalidTokenCount,
@@ -59,7 +59,6 @@ from app.limits.state import CONCURRENCY_RETRY_MS, HEARTBEAT_MS, QUEUE_STALE_MS,
 from app.limits.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
-MAX_LIMIT = 10**15  # a limit above this is no limit that could bind; sent clamped, as Lua integers stay exact
 LISTEN_RETRY_S = 1.0  # the wake listener reconnects after this (waiters keep their heartbeat meanwhile)
 _KEY_SUFFIXES = (
     "requests",
@@ -80,271 +79,6 @@ _REASONS: dict[bytes, Reason] = {
     b"too_large": "too_large",
     b"too_many_sequences": "too_many_sequences",
 }
-_INVALID = "loraplex invalid argument"  # the scripts' error replies for arguments they refuse
-
-# Shared by every script. Lua 5.1's unpack() overflows the C stack past ~8000 values: big batches go in
-# chunks. Server time, in ms: the one clock every replica agrees on.
-_PRELUDE = """
-local REQUESTS, TOKENS_AT, TOKENS_N, TOKENS_TOTAL, LEASES, QUEUE, QUEUE_SEEN = 1, 2, 3, 4, 5, 6, 7
-local LEASES_N = 8
-
--- ARGV[i] as an integer in [lo, hi], or an error reply before the script has written anything.
-local function int_arg(i, lo, hi)
-  local n = tonumber(ARGV[i])
-  if n == nil or n ~= math.floor(n) or n < lo or n > hi then
-    error({err = 'INVALID_ARGUMENT_PREFIX: ARGV[' .. i .. '] = ' .. tostring(ARGV[i]) ..
-      ' is not an integer in [' .. lo .. ', ' .. hi .. ']'})
-  end
-  return n
-end
-
--- Wake the tenant's waiters on other replicas, only when it has any.
-local function wake_waiters(channel, tenant)
-  if redis.call('ZCARD', KEYS[QUEUE]) > 0 then redis.call('PUBLISH', channel, tenant) end
-end
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
-local function chunked(cmd, key, ids)
-  for i = 1, #ids, 1000 do
-    redis.call(cmd, key, unpack(ids, i, math.min(i + 999, #ids)))
-  end
-end
-
--- One expiry for every key of the tenant, never shortened (a lease may have been granted a longer TTL).
-local function keep_alive(ms)
-  for i = 1, #KEYS do
-    local left = redis.call('PTTL', KEYS[i])
-    if left > ms then ms = left end
-  end
-  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ms) end
-end
-
--- Sequences held by the leases named in ids (a lease without a weight, from before weights, holds one).
-local function weight_of(ids)
-  local sum = 0
-  for i = 1, #ids, 1000 do
-    local weights = redis.call('HMGET', KEYS[LEASES_N], unpack(ids, i, math.min(i + 999, #ids)))
-    for j = 1, #weights do sum = sum + (tonumber(weights[j]) or 1) end
-  end
-  return sum
-end
-"""
-
-
-def _lua(body: str) -> str:
-    """A script: the prelude, then `body`, with the bounds filled in."""
-    script = _PRELUDE + body
-    for name, value in (("MAX_LIMIT_VALUE", MAX_LIMIT), ("MAX_TOKENS_VALUE", MAX_TOKENS)):
-        script = script.replace(name, str(value))
-    return script.replace("INVALID_ARGUMENT_PREFIX", _INVALID)
-
-
-# ARGV: request id, rpm, tpm, max_concurrent (-1: unlimited), lease TTL, reserve, queued (0/1),
-# window, queue stale, concurrency retry, queued retry (all ms), max waiters (-1: unbounded), wake channel,
-# tenant, sequences (the lease's weight). Returns {admitted, reason, retry_after, requests in window,
-# reset_requests, token total, reset_tokens}.
-_ADMIT = _lua(
-    """
-local id = ARGV[1]
-local rpm, tpm = int_arg(2, -1, MAX_LIMIT_VALUE), int_arg(3, -1, MAX_LIMIT_VALUE)
-local max_concurrent = int_arg(4, -1, MAX_LIMIT_VALUE)
-local lease_ttl, reserve = int_arg(5, 1, MAX_LIMIT_VALUE), int_arg(6, 0, MAX_TOKENS_VALUE)
-local queued = int_arg(7, 0, 1) == 1
-local window, stale = int_arg(8, 1, MAX_LIMIT_VALUE), int_arg(9, 1, MAX_LIMIT_VALUE)
-local concurrency_retry, queued_retry = int_arg(10, 0, MAX_LIMIT_VALUE), int_arg(11, 0, MAX_LIMIT_VALUE)
-local max_waiters = int_arg(12, -1, MAX_LIMIT_VALUE)
-local channel, tenant = ARGV[13], ARGV[14]
-local sequences = int_arg(15, 1, MAX_LIMIT_VALUE)
-local now = now_ms()
-
-local function reset(key)
-  local last = redis.call('ZRANGE', KEYS[key], -1, -1, 'WITHSCORES')
-  if #last == 0 then return 0 end
-  return math.max(0, tonumber(last[2]) + window - now)
-end
-
-local function total_tokens()
-  return tonumber(redis.call('GET', KEYS[TOKENS_TOTAL]) or '0')
-end
-
-local function decide(admitted, reason, retry_after)
-  keep_alive(window + lease_ttl)
-  return {admitted, reason, math.max(0, retry_after), redis.call('ZCARD', KEYS[REQUESTS]), reset(REQUESTS),
-          total_tokens(), reset(TOKENS_AT)}
-end
-
--- LimiterState._token_wait: oldest reservations leave the window first; page through them.
-local function token_wait(total, allowed)
-  local start = 0
-  while true do
-    local page = redis.call('ZRANGE', KEYS[TOKENS_AT], start, start + 99, 'WITHSCORES')
-    if #page == 0 then return window end
-    local ids = {}
-    for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
-    local amounts = redis.call('HMGET', KEYS[TOKENS_N], unpack(ids))
-    for i = 1, #ids do
-      total = total - (tonumber(amounts[i]) or 0)
-      if total <= allowed then return math.max(1, tonumber(page[2 * i]) + window - now) end
-    end
-    start = start + 100
-  end
-end
-
--- LimiterState._expire
-local horizon = now - window
-redis.call('ZREMRANGEBYSCORE', KEYS[REQUESTS], '-inf', horizon)
-local gone = redis.call('ZRANGEBYSCORE', KEYS[TOKENS_AT], '-inf', horizon)
-if #gone > 0 then
-  local sum = 0
-  for i = 1, #gone, 1000 do
-    local amounts = redis.call('HMGET', KEYS[TOKENS_N], unpack(gone, i, math.min(i + 999, #gone)))
-    for j = 1, #amounts do sum = sum + (tonumber(amounts[j]) or 0) end
-  end
-  chunked('HDEL', KEYS[TOKENS_N], gone)
-  redis.call('ZREMRANGEBYSCORE', KEYS[TOKENS_AT], '-inf', horizon)
-  redis.call('DECRBY', KEYS[TOKENS_TOTAL], sum)
-end
-local lapsed = redis.call('ZRANGEBYSCORE', KEYS[LEASES], '-inf', now)
-if #lapsed > 0 then
-  chunked('HDEL', KEYS[LEASES_N], lapsed)
-  redis.call('ZREMRANGEBYSCORE', KEYS[LEASES], '-inf', now)
-end
-local stale_waiters = redis.call('ZRANGEBYSCORE', KEYS[QUEUE_SEEN], '-inf', now - stale)
-if #stale_waiters > 0 then
-  chunked('ZREM', KEYS[QUEUE], stale_waiters)
-  chunked('ZREM', KEYS[QUEUE_SEEN], stale_waiters)
-end
-
--- LimiterState._blocked: the first limit in the way, and when trying again can succeed; nil: it fits.
-local function blocked()
-  if rpm >= 0 and redis.call('ZCARD', KEYS[REQUESTS]) >= rpm then
-    local oldest = redis.call('ZRANGE', KEYS[REQUESTS], 0, 0, 'WITHSCORES')
-    local wait = window  -- rpm = 0: no request will ever leave the window to make room
-    if #oldest > 0 then wait = tonumber(oldest[2]) + window - now end
-    return 'requests', wait
-  end
-  local total = total_tokens()
-  if tpm >= 0 and total + reserve > tpm then
-    return 'tokens', token_wait(total, tpm - reserve)
-  end
-  local held = max_concurrent >= 0 and weight_of(redis.call('ZRANGE', KEYS[LEASES], 0, -1)) or 0
-  if max_concurrent >= 0 and held + sequences > max_concurrent then
-    return 'concurrency', concurrency_retry
-  end
-  return nil, 0
-end
-
-if tpm >= 0 and reserve > tpm then
-  return decide(0, 'too_large', 0)
-end
-if max_concurrent >= 0 and sequences > max_concurrent then
-  return decide(0, 'too_many_sequences', 0)
-end
-if queued then
-  if not redis.call('ZSCORE', KEYS[QUEUE], id) then
-    if max_waiters >= 0 and redis.call('ZCARD', KEYS[QUEUE]) >= max_waiters then
-      local reason, wait = blocked()
-      if not reason then wait = queued_retry end
-      return decide(0, 'queue_full', wait)
-    end
-    -- Arrival order must be strict even for two arrivals in one ms (a ZSET breaks ties by member).
-    local arrival = now
-    local tail = redis.call('ZRANGE', KEYS[QUEUE], -1, -1, 'WITHSCORES')
-    if #tail > 0 and tonumber(tail[2]) >= arrival then arrival = tonumber(tail[2]) + 1 end
-    redis.call('ZADD', KEYS[QUEUE], arrival, id)
-  end
-  redis.call('ZADD', KEYS[QUEUE_SEEN], now, id)
-  if redis.call('ZRANGE', KEYS[QUEUE], 0, 0)[1] ~= id then
-    return decide(0, 'queued', queued_retry)
-  end
-end
-local reason, wait = blocked()
-if reason then
-  return decide(0, reason, wait)
-end
-redis.call('ZREM', KEYS[QUEUE], id)
-redis.call('ZREM', KEYS[QUEUE_SEEN], id)
-redis.call('ZADD', KEYS[REQUESTS], now, id)
-local previous = redis.call('HGET', KEYS[TOKENS_N], id)
-if previous then  -- the same id admitted again: its reservation is replaced, not leaked
-  redis.call('DECRBY', KEYS[TOKENS_TOTAL], previous)
-end
-redis.call('ZADD', KEYS[TOKENS_AT], now, id)
-redis.call('HSET', KEYS[TOKENS_N], id, reserve)
-redis.call('INCRBY', KEYS[TOKENS_TOTAL], reserve)
-redis.call('ZADD', KEYS[LEASES], now + lease_ttl, id)
-redis.call('HSET', KEYS[LEASES_N], id, sequences)
-if queued then wake_waiters(channel, tenant) end  -- the head went: the next one may fit too
-return decide(1, '', 0)
-"""
-)
-
-# ARGV: request id, used tokens, wake channel, tenant. HSET and INCRBY keep the keys' expiry.
-_RELEASE = _lua(
-    """
-local id, used = ARGV[1], int_arg(2, 0, MAX_TOKENS_VALUE)
-local reserved = tonumber(redis.call('HGET', KEYS[TOKENS_N], id))
-redis.call('ZREM', KEYS[LEASES], id)
-redis.call('HDEL', KEYS[LEASES_N], id)
-if reserved then  -- still in the window: the minute's total reflects what was really used
-  redis.call('HSET', KEYS[TOKENS_N], id, used)
-  redis.call('INCRBY', KEYS[TOKENS_TOTAL], used - reserved)
-end
-wake_waiters(ARGV[3], ARGV[4])
-return 0
-"""
-)
-
-# ARGV: request id, lease TTL, window. Like LimiterState.renew: no expiry pass, only a held lease moves.
-_RENEW = _lua(
-    """
-local id, lease_ttl, window = ARGV[1], int_arg(2, 1, MAX_LIMIT_VALUE), int_arg(3, 1, MAX_LIMIT_VALUE)
-if redis.call('ZSCORE', KEYS[LEASES], id) then
-  redis.call('ZADD', KEYS[LEASES], now_ms() + lease_ttl, id)
-  keep_alive(window + lease_ttl)
-end
-return 0
-"""
-)
-
-# ARGV: request id, wake channel, tenant.
-_LEAVE_QUEUE = _lua(
-    """
-if redis.call('ZREM', KEYS[QUEUE], ARGV[1]) == 1 then wake_waiters(ARGV[2], ARGV[3]) end
-redis.call('ZREM', KEYS[QUEUE_SEEN], ARGV[1])
-return 0
-"""
-)
-
-# ARGV: window, queue stale (ms). Returns {requests, reset_requests, tokens, reset_tokens, leases, queued}.
-# Read-only, unlike admit's expiry pass: it counts what that pass would keep, so a peek writes nothing.
-_PEEK = _lua(
-    """
-local window, stale = int_arg(1, 1, MAX_LIMIT_VALUE), int_arg(2, 1, MAX_LIMIT_VALUE)
-local now = now_ms()
-local horizon = now - window
-
-local function reset(key)
-  local last = redis.call('ZRANGE', KEYS[key], -1, -1, 'WITHSCORES')
-  if #last == 0 then return 0 end
-  return math.max(0, tonumber(last[2]) + window - now)
-end
-
-local tokens = tonumber(redis.call('GET', KEYS[TOKENS_TOTAL]) or '0')
-local gone = redis.call('ZRANGEBYSCORE', KEYS[TOKENS_AT], '-inf', horizon)
-for i = 1, #gone, 1000 do
-  local amounts = redis.call('HMGET', KEYS[TOKENS_N], unpack(gone, i, math.min(i + 999, #gone)))
-  for j = 1, #amounts do tokens = tokens - (tonumber(amounts[j]) or 0) end
-end
-return {redis.call('ZCOUNT', KEYS[REQUESTS], '(' .. horizon, '+inf'), reset(REQUESTS), tokens,
-        reset(TOKENS_AT), weight_of(redis.call('ZRANGEBYSCORE', KEYS[LEASES], '(' .. now, '+inf')),
-        redis.call('ZCOUNT', KEYS[QUEUE_SEEN], '(' .. (now - stale), '+inf')}
-"""
-)
 
 
 def _limit(value: int | None) -> int:
@@ -384,11 +118,11 @@ class RedisLimiter(LimiterBackend):
             retry=Retry(NoBackoff(), 0),
         )
         self._redis = aioredis.Redis.from_pool(pool)
-        self._admit = self._redis.register_script(_ADMIT)
-        self._release = self._redis.register_script(_RELEASE)
-        self._renew = self._redis.register_script(_RENEW)
-        self._leave_queue = self._redis.register_script(_LEAVE_QUEUE)
-        self._peek = self._redis.register_script(_PEEK)
+        self._admit = self._redis.register_script(lua_script("admit"))
+        self._release = self._redis.register_script(lua_script("release"))
+        self._renew = self._redis.register_script(lua_script("renew"))
+        self._leave_queue = self._redis.register_script(lua_script("leave_queue"))
+        self._peek = self._redis.register_script(lua_script("peek"))
         self._wakeups = Wakeups()
         self._listener: asyncio.Task[None] | None = None  # started by the first waiter
 
@@ -405,7 +139,7 @@ class RedisLimiter(LimiterBackend):
             async with asyncio.timeout(self._timeout):
                 return await script(keys=self.keys(tenant), args=args)
         except ResponseError as error:
-            if _INVALID in str(error):  # refused before the script wrote anything
+            if INVALID in str(error):  # refused before the script wrote anything
                 raise InvalidTokenCount(str(error)) from error
             raise LimiterUnavailable(f"redis rate limiter unavailable: {error!r}") from error
         except (RedisError, TimeoutError, OSError) as error:

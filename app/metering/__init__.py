@@ -4,7 +4,7 @@
       | RequestUsage on every RequestOutput: tokens so far, queue/TTFT times, this request's share of
       | each step's device time (split by tokens processed), the replica
       v
-    app/generation.py: the request ends (completed, client gone, failed) -> one RequestRecord
+    app/completions/generation.py: the request ends (completed, client gone, failed) -> one RequestRecord
       v
     request_record.py   RequestRecord, RequestObserver (metrics listen here too: app/request_metrics.py)
     observer.py         MeteringObserver: RequestRecord -> billing.usage.UsageRecord, durably into...

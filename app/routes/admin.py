@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 from fastapi import APIRouter, status
 from sqlalchemy.orm import Session
 
-from app.auth import generate_key
-from app.authenticator import limits_for
+from app.auth.api_keys import generate_key
+from app.auth.authenticator import limits_for
 from app.deps import AdminDep, ServicesDep
 from app.errors import Conflict, InvalidParameter, NotFound
 from app.routes.guarded import AdminRoute

@@ -3,22 +3,23 @@
 Prompt size is bounded before any work (Settings.max_messages, max_prompt_chars, max_prompts; a token id
 counts as a character), and templating and tokenisation run in the thread pool: a large prompt never
 holds the event loop other requests share. What the engine is asked beyond sampling (n, logprobs,
-logit_bias, structured output for response_format and tool_choice) is read here; app/choices.py shapes
-what comes back.
+logit_bias, structured output for response_format and tool_choice) is read here;
+app/completions/choices.py shapes what comes back.
 """
 
 import json
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from app import tool_calls
-from app.choices import Shape
+from app.completions import tool_calls
+from app.completions.choices import Shape
+from app.completions.generation import Generation
+from app.completions.prompts import PromptBuilder
 from app.deps import RequestIdDep, ServicesDep, TenantDep
 from app.errors import InvalidParameter
-from app.generation import Generation, sampling_params
-from app.prompts import PromptBuilder
 from app.routes.guarded import TenantRoute
 from app.schemas.openai import (
     ChatCompletionRequest,
@@ -26,12 +27,31 @@ from app.schemas.openai import (
     ResponseFormat,
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
+    SamplingFields,
 )
 from app.settings import Settings
-from deployments.engine.interface import StructuredOutput
+from deployments.engine.interface import SamplingParams, StructuredOutput
 
 router = APIRouter(prefix="/v1", tags=["inference"], route_class=TenantRoute)
 ANY_OBJECT = '{"type": "object"}'
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, **more: Any) -> SamplingParams:
+    """OpenAI defaults where the request is silent (temperature 1, top_p 1); `more` sets the rest (n,
+    logprobs, logit_bias, structured output), which each route reads from its own fields."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed,
+        stop=tuple(body.stop_list),
+        **more,
+    )
 
 
 def _check_prompt_size(settings: Settings, param: str, sizes: list[int], unit: str = "characters") -> None:
@@ -135,6 +155,7 @@ async def completions(
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias,
+        structured=_response_format(body.response_format),
     )
     generation = Generation.begin(services, principal, target, request_id, "completion", body)
     shape = Shape(n=body.n, logprobs=body.logprobs, echo=echo)

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from app import log_context
-from app.admission import Admission
-from app.client_address import client_of
+from app.auth.client_address import client_of
+from app.completions.admission import Admission
 from app.errors import APIError
 from app.middleware import request_id_of
 

@@ -3,7 +3,7 @@
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from app.authenticator import Principal
+from app.auth.authenticator import Principal
 from app.deps import ReaderDep, ServicesDep
 from app.errors import ModelNotFound
 from app.routes.guarded import TenantRoute

@@ -204,7 +204,7 @@ class TenantOut(BaseModel):
 
     @classmethod
     def of(cls, tenant: Tenant, limits: Limits) -> Self:
-        """From the tenant's row and its effective limits (app.authenticator.limits_for)."""
+        """From the tenant's row and its effective limits (app.auth.authenticator.limits_for)."""
         fields = {
             name: getattr(tenant, name) for name in cls.model_fields if name not in ("object", "limits")
         }

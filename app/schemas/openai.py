@@ -317,6 +317,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETIONS_LOGPROBS)] | None = Field(
         default=None, description="Log-probabilities of each token and of this many likeliest ones."
     )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="As chat's (not OpenAI's for completions; vLLM has it): JSON output."
+    )
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -418,6 +421,9 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    # Not OpenAI's: present (true) when max_tokens ran low and the grammar steered the structured output to
+    # its shortest completion; the output is complete and valid, its free parts maybe cut short.
+    closing_forced: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletion(BaseModel):
@@ -455,6 +461,9 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    # Not OpenAI's: present (true) when max_tokens ran low and the grammar steered the structured output to
+    # its shortest completion; the output is complete and valid, its free parts maybe cut short.
+    closing_forced: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -471,6 +480,9 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    # Not OpenAI's: present (true) when max_tokens ran low and the grammar steered the structured output to
+    # its shortest completion; the output is complete and valid, its free parts maybe cut short.
+    closing_forced: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Completion(BaseModel):

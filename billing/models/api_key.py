@@ -14,7 +14,7 @@ class ApiKey(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("key"))
     tenant_id: Mapped[str] = mapped_column(String(32), ForeignKey("tenants.id"), index=True)
     name: Mapped[str | None] = mapped_column(String(128))
-    prefix: Mapped[str] = mapped_column(String(12), unique=True, index=True)  # app.auth's public prefix
+    prefix: Mapped[str] = mapped_column(String(12), unique=True, index=True)  # public (app/auth/api_keys.py)
     key_hash: Mapped[str] = mapped_column(String(64))  # HMAC-SHA256 hex; the key itself is never stored
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -38,6 +38,20 @@ class PromptTooLong(InvalidRequest):
         return PromptTooLong(self.prompt_tokens, self.max_tokens, self.max_model_len, param=param)
 
 
+class BudgetTooSmall(InvalidRequest):
+    """A structured output cannot complete within the request's max_tokens: its shortest known completion
+    (the stop token included) is longer. Refused before any token is generated."""
+
+    def __init__(self, max_tokens: int, minimum: int) -> None:
+        super().__init__(
+            f"max_tokens is {max_tokens}, but this response format needs at least {minimum} tokens to "
+            f"complete; set max_tokens to {minimum} or more",
+            param="max_tokens",
+        )
+        self.max_tokens = max_tokens
+        self.minimum = minimum
+
+
 class InvalidSamplingParams(InvalidRequest):
     """A sampling value is out of range; the message names the value and its limit."""
 

@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from deployments.engine.errors import InvalidRequest
 from deployments.engine.grammar_cache import GrammarCache, Tenant
+from deployments.engine.grammar_closing import Closer, Lexical
 from deployments.engine.sampling_params import StructuredOutput
 
 LIBRARY = "llguidance"
@@ -72,6 +73,7 @@ MAX_OPTIONAL_RUN = (2000 - 7) // 4
 # Bytes that can start a token past a JSON schema's forced opening where the parser may open a structure
 # (a value, a key, a separator, a closer): each, as a one-byte token, is fed to a copy at compile time.
 _PROBE_BYTES = b'{["-0123456789tfn}],:'
+STEP_BRANCHES = 8  # alternatives a closing walk compares during a request (Closer.max_branches at compile)
 _ROW_ERROR = re.compile(r"Current row has (\d+) items; max is (\d+)")
 _ERROR_PREFIX = re.compile(r"^at \d+\(\d+\): ")
 _CacheKey = tuple[str, str, str, bool]
@@ -93,19 +95,50 @@ class _Refusal:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar. Not thread-safe: the engine loop thread alone drives it."""
+    """One request's position in its grammar. Not thread-safe: the engine loop thread alone drives it.
 
-    __slots__ = ("_matcher", "_stop_ids", "_terminated", "_words")
+    With a closer (grammar_closing.Closer) it also keeps the request's closing: the tokens that would finish
+    the output from here. The engine passes each step's token budget: when the closing and the stop token
+    need all that is left, the mask allows only the closing's next token (`fill_mask`); and a sampled token
+    after which the output could no longer finish in time is taken back for the closing's next one (`take`).
+    So an output whose request had at least `CompiledGrammar.min_tokens` always completes.
+    """
 
-    def __init__(self, matcher: llguidance.LLMatcher, stop_ids: frozenset[int], words: int) -> None:
+    __slots__ = (
+        "_closer",
+        "_lexical",
+        "_matcher",
+        "_plan",
+        "_stop",
+        "_stop_ids",
+        "_terminated",
+        "_words",
+        "steered",
+    )
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        stop_ids: frozenset[int],
+        words: int,
+        closer: Closer | None = None,
+        plan: list[int] | None = None,
+    ) -> None:
         self._matcher = matcher
         self._stop_ids = stop_ids
+        self._stop = min(stop_ids)
         self._words = words
         self._terminated = False
+        self._closer = closer
+        self._lexical = Lexical()
+        self._plan = plan if closer is not None else None
+        self.steered = False  # the budget forced a closing token at least once
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_mask(self, bitmask: torch.Tensor, row: int, left: int | None = None) -> None:
         """Write into `bitmask[row]` the tokens allowed next. Only stop tokens once the grammar is complete
-        (or after a refused token: the matcher is then dead and the request should end)."""
+        (or after a refused token: the matcher is then dead and the request should end). With `left`, the
+        tokens the request may still produce (this one included): only the closing's next token when the
+        closing and the stop token need them all."""
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("the bitmask must be a contiguous int32 CPU tensor (see new_bitmask)")
         if bitmask.dim() != 2 or bitmask.shape[1] != self._words or not 0 <= row < bitmask.shape[0]:
@@ -113,7 +146,21 @@ class GrammarMatcher:
                 f"bitmask of shape {tuple(bitmask.shape)} has no row {row} of {self._words} words"
             )
         target = bitmask[row]
+        forced = self.forced_token(left)
+        if forced is not None:
+            target.zero_()
+            target[forced // 32] = _bit(forced % 32)
+            self.steered = True
+            return
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), self._words * 4)
+
+    def forced_token(self, left: int | None) -> int | None:
+        """The closing's next token if, with `left` tokens to go (this one included), the closing and the
+        stop token need them all; else None."""
+        plan = self._plan
+        if left is None or plan is None or self._terminated:
+            return None
+        return (plan[0] if plan else self._stop) if len(plan) + 1 >= left else None
 
     def accept(self, token_id: int) -> bool:
         """Advance by the token sampled (every one, the stop token included). False if the grammar refuses
@@ -123,6 +170,61 @@ class GrammarMatcher:
         if token_id in self._stop_ids:
             self._terminated = True
         return True
+
+    def take(self, token_id: int, left: int | None) -> int | None:
+        """`accept` with a budget: `left` is how many tokens the request may still produce after this one.
+        Returns the token taken (the one sampled, or the closing's next one when the sampled one would leave
+        the output unable to finish in `left`), None if the grammar refuses it."""
+        closer = self._closer
+        if closer is None or left is None or token_id in self._stop_ids:
+            return token_id if self.accept(token_id) else None
+        plan, lexical = self._plan, self._lexical
+        if not self.accept(token_id):
+            return None
+        self._advance(closer, token_id, plan)
+        if self._plan is None or len(self._plan) + 1 <= left or plan is None:
+            return token_id  # it fits (or no closing is known to do better)
+        # Too long to finish now: the closing known before this token is the way (it fitted then); from a
+        # complete match (a repeated block could follow) that is the stop token.
+        self._matcher.rollback(1)
+        self._lexical = lexical
+        self.steered = True
+        if not plan:
+            self._plan = []
+            return self._stop if self.accept(self._stop) else None
+        if not self.accept(plan[0]):
+            return None
+        self._advance(closer, plan[0], plan)
+        return plan[0]
+
+    def _advance(self, closer: Closer, token_id: int, plan: list[int] | None) -> None:
+        """Follow `token_id` (consumed) in the lexical state and the closing. Before walking anew, the
+        closing known before is tried: whole (the model writes a string's text, the common case), its rest
+        when the token was its first, and its bytes after the token's own when the token wrote them (or, in
+        a string, ended it as the closing would)."""
+        data = closer.token_bytes(token_id)
+        before, self._lexical = self._lexical, self._lexical.after(data)
+        if plan is not None:
+            rest = plan[1:] if plan and plan[0] == token_id else plan
+            if self._finishes(rest):
+                self._plan = rest
+                return
+            written = closer.rest_after(plan, data, before)
+            if written is not None and self._finishes(written):
+                self._plan = written
+                return
+        # Mid-request, fewer alternatives are compared than at compile time (the walk is on the engine
+        # loop): a longer closing only steers a little earlier, and the one known before stays valid.
+        self._plan = closer.closing(self._matcher, self._lexical, branches=STEP_BRANCHES)
+
+    def _finishes(self, tokens: list[int]) -> bool:
+        """Whether `tokens` take the match from here to complete (the stop token is valid only there)."""
+        return bool(self._matcher.validate_tokens([*tokens, self._stop]) == len(tokens) + 1)
+
+    @property
+    def closing_tokens(self) -> int | None:
+        """Tokens the closing needs from here, the stop token excluded; None when unknown."""
+        return None if self._plan is None else len(self._plan)
 
     @property
     def terminated(self) -> bool:
@@ -140,19 +242,39 @@ class GrammarMatcher:
         return self._matcher.get_error() if self._matcher.is_error() else None
 
 
+def _bit(index: int) -> int:
+    """The int32 word with only bit `index` set (bit 31 is the sign bit)."""
+    return (1 << index) - (1 << 32 if index == 31 else 0)
+
+
 class CompiledGrammar:
-    """A compiled spec; immutable and shared by every request with an equal spec (thread-safe)."""
+    """A compiled spec; immutable and shared by every request with an equal spec (thread-safe).
 
-    __slots__ = ("_stop_ids", "_template", "_words")
+    `min_tokens`: the fewest output tokens (the stop token included) in which this grammar's closing from
+    its start is known to complete; a request with a smaller max_tokens cannot be served (None: unknown, the
+    request is then not steered)."""
 
-    def __init__(self, template: llguidance.LLMatcher, stop_ids: frozenset[int], words: int) -> None:
+    __slots__ = ("_closer", "_opening", "_stop_ids", "_template", "_words", "min_tokens")
+
+    def __init__(
+        self,
+        template: llguidance.LLMatcher,
+        stop_ids: frozenset[int],
+        words: int,
+        closer: Closer | None = None,
+    ) -> None:
         self._template = template  # a matcher at the start, never advanced: each request copies it
         self._stop_ids = stop_ids
         self._words = words
+        self._closer = closer
+        self._opening = closer.closing(template, Lexical()) if closer is not None else None
+        self.min_tokens = None if self._opening is None else len(self._opening) + 1
 
     def matcher(self) -> GrammarMatcher:
         """A fresh per-request state (a copy of the compiled start state: no compilation)."""
-        return GrammarMatcher(self._template.deep_copy(), self._stop_ids, self._words)
+        closer = self._closer if self._opening is not None else None
+        plan = list(self._opening) if self._opening is not None else None
+        return GrammarMatcher(self._template.deep_copy(), self._stop_ids, self._words, closer, plan)
 
 
 class GrammarCompiler:
@@ -192,6 +314,7 @@ class GrammarCompiler:
         self.stop_token_ids = tuple(stop_token_ids)
         self._hf_tokenizer = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None  # converted on the first compile
+        self._closer: Closer | None = None  # made with it
         self._probe_tokens: list[int] = []  # one-byte tokens of _PROBE_BYTES
         self._words = (vocab_size + 31) // 32
         share = min(cache_size, 32) if tenant_share is None else tenant_share
@@ -252,6 +375,7 @@ class GrammarCompiler:
                 one_byte = (converted.tokenize_bytes(bytes([b])) for b in _PROBE_BYTES)
                 self._probe_tokens = [ids[0] for ids in one_byte if len(ids) == 1]
                 self._tokenizer = converted
+                self._closer = Closer(converted)
             return self._tokenizer
 
     def _build(self, spec: StructuredOutput) -> CompiledGrammar | _Refusal:
@@ -263,7 +387,8 @@ class GrammarCompiler:
         failure = template.get_error() if template.is_error() else self._probe_opening(template)
         if failure is not None:
             return _Refusal(_message("the JSON schema cannot be enforced: " + _reason(failure)), "schema")
-        return CompiledGrammar(template, frozenset(self.stop_token_ids), self._words)
+        closer = self._closer if Closer.supports(spec.begin, spec.end) else None
+        return CompiledGrammar(template, frozenset(self.stop_token_ids), self._words, closer)
 
     def _probe_opening(self, template: llguidance.LLMatcher) -> str | None:
         """Why the grammar would fail a request at its first free token, if it would: a copy takes the

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from deployments.engine.config import DEFAULT_LORA_TARGETS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from deployments.engine.errors import (
+    BudgetTooSmall,
     DuplicateRequestId,
     EmptyPrompt,
     EngineError,
@@ -102,6 +103,7 @@ __all__ = [
     "MAX_N",
     "MIN_REPETITION_PENALTY",
     "AsyncEngine",
+    "BudgetTooSmall",
     "DuplicateRequestId",
     "EmptyPrompt",
     "EngineClient",

@@ -22,7 +22,13 @@ from adapters.store import AdapterStore
 from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.block_manager import BlockManager
 from deployments.engine.config import EngineConfig
-from deployments.engine.errors import DuplicateRequestId, EngineOverloaded, QueueShareExceeded, RequestFailed
+from deployments.engine.errors import (
+    BudgetTooSmall,
+    DuplicateRequestId,
+    EngineOverloaded,
+    QueueShareExceeded,
+    RequestFailed,
+)
 from deployments.engine.kv_cache import KVCache
 from deployments.engine.logits_processor import LogitsProcessor, Token
 from deployments.engine.logprobs import prompt_positions
@@ -195,6 +201,11 @@ class LLMEngine:
 
     @staticmethod
     def attach_grammar(seqs: list[Sequence], grammar: "CompiledGrammar") -> None:
+        """Give each sequence its grammar state; raises BudgetTooSmall (nothing attached) when the output
+        could not complete within the sequences' max_tokens (every choice has the same)."""
+        minimum = grammar.min_tokens
+        if minimum is not None and seqs and seqs[0].max_tokens < minimum:
+            raise BudgetTooSmall(seqs[0].max_tokens, minimum)
         for seq in seqs:
             seq.matcher = grammar.matcher()
 

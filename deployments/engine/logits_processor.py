@@ -1,7 +1,8 @@
 """LogitsProcessor: a step's logits in, a token (and its logprobs) per sampling row out.
 
 What happens between the forward and the tokens: prompt logprobs are taken from the rows at prompt positions,
-logit biases and grammar masks are applied in place to the rows whose requests have them, the sampler applies
+logit biases and grammar masks are applied in place to the rows whose requests have them (a grammar may
+steer its row to a token of its closing when the budget runs low: see GrammarMatcher), the sampler applies
 penalties and draws, and each token's logprobs come from the raw logits. Tokens and logprobs come back to the
 host in one read, the step's one device->host sync. A row that cannot be sampled (bad parameters, a token its
 grammar refuses) gets its error instead of a token, so it fails alone.
@@ -61,11 +62,18 @@ class LogitsProcessor:
         except Exception:
             log.exception("sampling the step failed; sampling its rows one by one")
             tokens = self._draw_each(logits, rows)
+        replaced: set[int] = set()  # rows whose grammar took a closing token in place of the one sampled
         for i, s in enumerate(sampling):  # advance the grammars; a refused token fails only its request
-            token = tokens[i]
-            if s.seq.matcher is not None and not isinstance(token, str) and not s.seq.matcher.accept(token):
+            token, matcher = tokens[i], s.seq.matcher
+            if matcher is None or isinstance(token, str):
+                continue
+            taken = matcher.take(token, _left(s.seq) - 1)
+            if taken is None:
                 tokens[i] = f"token {token} is outside the request's grammar"
-        return tokens, self._logprobs(tokens, raw, asked, table, sampling)
+            elif taken != token:
+                tokens[i] = taken
+                replaced.add(i)
+        return tokens, self._logprobs(tokens, raw, asked, table, sampling, replaced)
 
     def _draw(
         self,
@@ -105,19 +113,27 @@ class LogitsProcessor:
         asked: list[int],
         table: list[list[float]],
         sampling: list[ScheduledSequence],
+        replaced: set[int],
     ) -> list[TokenLogprob | None]:
         logprobs: list[TokenLogprob | None] = [None] * len(sampling)
         good = [i for i in asked if not isinstance(tokens[i], str)]
         if raw is None or not good:
             return logprobs
-        chosen = [int(tokens[i]) for i in good]
-        top = [sampling[i].seq.params.logprobs or 0 for i in good]
-        if table:
-            found = read_logprobs([table[asked.index(i)] for i in good], chosen, top)
-        else:  # the batch call failed: the rows that sampled get theirs now
-            found = token_logprobs(raw[[asked.index(i) for i in good]], chosen, top)
-        for i, lp in zip(good, found, strict=True):
-            logprobs[i] = lp
+        # The table read back holds the sampled tokens' rows: a row whose token was replaced (or every row,
+        # when the batch call failed) gets its logprobs from the raw logits now.
+        read = [i for i in good if table and i not in replaced]
+        late = [i for i in good if i not in read]
+        for rows, from_table in ((read, True), (late, False)):
+            if not rows:
+                continue
+            chosen = [int(tokens[i]) for i in rows]
+            top = [sampling[i].seq.params.logprobs or 0 for i in rows]
+            if from_table:
+                found = read_logprobs([table[asked.index(i)] for i in rows], chosen, top)
+            else:
+                found = token_logprobs(raw[[asked.index(i) for i in rows]], chosen, top)
+            for i, lp in zip(rows, found, strict=True):
+                logprobs[i] = lp
         return logprobs
 
     @torch.inference_mode()
@@ -136,13 +152,18 @@ class LogitsProcessor:
 
         bitmask = new_bitmask(len(masked), self.vocab_size)  # [M, ceil(V / 32)] int32, built on the host
         for r, i in enumerate(masked):
-            matcher = sampling[i].seq.matcher
-            assert matcher is not None
-            matcher.fill_mask(bitmask, r)
+            seq = sampling[i].seq
+            assert seq.matcher is not None
+            seq.matcher.fill_mask(bitmask, r, _left(seq))
         index = torch.tensor(masked, dtype=torch.long, device=logits.device)
         allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # [M, V]
         rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, index, rows)  # masks applied on the logits' device: nothing read back
+
+
+def _left(seq: Sequence) -> int:
+    """Tokens the sequence may still produce, the one sampled this step included."""
+    return seq.max_tokens - seq.num_output_tokens
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:

@@ -45,7 +45,9 @@ class OutputAssembler:
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(
                 self.tokenizer,
                 seq.prompt_ids,
-                stop=seq.params.stop,
+                # A structured output ends where its grammar completes: a stop string never cuts it (none
+                # could match after it either, as only the stop token may follow the completed match).
+                stop=seq.params.stop if seq.params.structured is None else (),
                 skip_special_tokens=seq.params.skip_special_tokens,
             )
 
@@ -90,7 +92,7 @@ class OutputAssembler:
         text = ""
         if token in self.eos_token_ids and not params.ignore_eos:
             reason = FinishReason.STOP
-        elif token in params.stop_token_ids:
+        elif token in params.stop_token_ids and params.structured is None:  # as stop strings, above
             reason, seq.stop_reason = FinishReason.STOP, token
         else:
             delta = detok.add_token(token)
@@ -132,6 +134,7 @@ class OutputAssembler:
             usage=self.usage_of(group),
             error=seq.error,
             index=seq.index,
+            closing_forced=seq.matcher is not None and seq.matcher.steered,
         )
         return _with_prompt_logprobs(out, seq)
 

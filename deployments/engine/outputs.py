@@ -60,6 +60,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
     # The prompt's, when asked: once, on the choice's first output; None for the first prompt token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # On a choice's last output: its structured output ran low on max_tokens and the grammar steered it to
+    # its shortest completion (GrammarMatcher), so the content is complete but may be cut short.
+    closing_forced: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,9 +19,10 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.services import Services
 from app.settings import Settings
+from bench.live_server import LiveServer
 from billing.migrate import upgrade
 from deployments.engine.interface import EngineRequest, RequestOutput
-from tests.app.conftest import ADMIN_KEY, MODEL, LiveServer
+from tests.app.conftest import ADMIN_KEY, MODEL
 from tests.model_fixtures import TinySetup
 
 

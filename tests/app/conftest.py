@@ -5,15 +5,12 @@ No Ray here: these tests pin down the HTTP behaviour; tests/e2e runs the same ap
 
 import contextlib
 import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from starlette.types import ASGIApp
 from typer.testing import Result
 
@@ -22,6 +19,7 @@ from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.services import Services
 from app.settings import Settings
+from bench.live_server import LiveServer
 from billing.adapter_digests import RegistryDigests
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
@@ -39,36 +37,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class LiveServer:
-    """uvicorn in a thread; stopped cleanly."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        # Bound here and handed to uvicorn: no window in which another process could take the port.
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = int(self.socket.getsockname()[1])
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
 
 
 @dataclass

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from adapters.ref import AdapterRef
 from app.schemas.openai import ChatMessage
+from bench.admin_upload import post_adapter
 from billing import adapter_registry
 from tests.app.conftest import MODEL, Served
 from tests.engine.reference import PeftReference
@@ -27,17 +28,7 @@ PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "write s
 
 def upload_files(served: Served, name: str, owner: str, source: Path) -> httpx.Response:
     with served.admin() as admin:
-        return admin.post(
-            "/admin/adapters",
-            data={"name": name, "owner": owner},
-            files={
-                "adapter_config": ("adapter_config.json", (source / "adapter_config.json").read_bytes()),
-                "adapter_model": (
-                    "adapter_model.safetensors",
-                    (source / "adapter_model.safetensors").read_bytes(),
-                ),
-            },
-        )
+        return post_adapter(admin, name, owner, source)
 
 
 def upload_archive(served: Served, name: str, owner: str, source: Path) -> httpx.Response:

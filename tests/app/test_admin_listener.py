@@ -5,7 +5,8 @@ import httpx
 
 from app.admin_listener import AdminListener, parse_address
 from app.main import create_app
-from tests.app.conftest import ADMIN_KEY, MODEL, LiveServer, Served
+from bench.live_server import LiveServer
+from tests.app.conftest import ADMIN_KEY, MODEL, Served
 
 
 def test_the_admin_api_moves_to_its_own_listener(served: Served) -> None:

@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from app.cli import build_app
+from bench.stripe_stub import EVENT_NAMES, StripeStub
 from billing.db import make_engine, make_session_factory, session_scope
 from billing.migrate import upgrade
 from billing.models import Tenant
 from billing.usage import UsageRecord, hour_of, record_usage
-from tests.billing.stripe_stub import EVENT_NAMES, StripeStub
 
 _ids = itertools.count()
 

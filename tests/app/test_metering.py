@@ -68,7 +68,8 @@ def test_streamed_aborted_and_failed_requests_are_metered_too(served: Served) ->
         made = admin.post("/admin/adapters", data={"name": "broken", "owner": tenant_id}, files=files).json()
     (served.services.store.root / made["id"] / "v1" / "adapter_model.safetensors").write_bytes(b"broken")
     failed = post(served, key, "/v1/completions", {"model": "broken", "prompt": "x", "max_tokens": 2})
-    assert failed.status_code == 500
+    assert failed.status_code == 503  # a registered adapter the engine cannot read is the platform's fault
+    assert failed.headers.get("retry-after") and made["id"] not in failed.text
     wait_for(lambda: {r.status for r in usage_rows(served, tenant_id)} == {"aborted", "failed"})
     rows = {r.status: r for r in usage_rows(served, tenant_id)}
     assert (

@@ -17,9 +17,10 @@ from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.settings import Settings
+from bench.live_server import LiveServer
 from deployments.engine.interface import LocalEngineClient
 from tests.adapters.s3_proxy import s3_proxy
-from tests.app.conftest import ADMIN_KEY, MODEL, LiveServer, Served, serving
+from tests.app.conftest import ADMIN_KEY, MODEL, Served, serving
 from tests.app.test_adapters_api import greedy, reference_text, upload_files
 from tests.engine.reference import PeftReference
 from tests.model_fixtures import TinySetup

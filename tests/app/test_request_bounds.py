@@ -12,7 +12,7 @@ import httpx
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from app.prompts import PromptBuilder
+from app.completions.prompts import PromptBuilder
 from app.schemas.openai import MAX_PROMPT_TOKENS, MAX_PROMPTS, CompletionRequest, Prompt
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
 from tests.app.features import best_of

@@ -15,13 +15,13 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openai.types.shared_params import ResponseFormatJSONSchema
 
-from app import choices as choices_module
-from app import tool_calls
-from app.choices import HEAVY_BLOCKS, HEAVY_CHARS, Choices, Shape
+from app.completions import choices as choices_module
+from app.completions import tool_calls
+from app.completions.choices import HEAVY_BLOCKS, HEAVY_CHARS, Choices, Shape
+from app.completions.prompts import PromptBuilder
+from app.completions.tool_calls import BEGIN, END, ParsedCall, ToolCallStream, parse
 from app.errors import InvalidParameter
-from app.prompts import PromptBuilder
 from app.schemas.openai import ChatChoice, ChatMessage
-from app.tool_calls import BEGIN, END, ParsedCall, ToolCallStream, parse
 from deployments.engine.interface import FinishReason, RequestOutput
 from tests.app.conftest import MODEL, Served
 from tests.app.features import (

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from app.errors import install_error_handlers
 from app.upload import MAX_FIELD_BYTES, receive_upload
-from tests.app.conftest import LiveServer
+from bench.live_server import LiveServer
 
 BOUNDARY = "loraplex-test-boundary"
 MULTIPART = f"multipart/form-data; boundary={BOUNDARY}"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from bench.admin_upload import post_adapter
 from tests.app.conftest import MODEL, Served
 from tests.billing.test_usage_queries import make_event
 from tests.ci import missing
@@ -90,12 +91,8 @@ class Tenant:
 
 
 def upload(served: Served, name: str, owner: str, source: Path) -> dict[str, Any]:
-    files = {
-        "adapter_config": ("adapter_config.json", (source / "adapter_config.json").read_bytes()),
-        "adapter_model": ("adapter_model.safetensors", (source / "adapter_model.safetensors").read_bytes()),
-    }
     with served.admin() as admin:
-        r = admin.post("/admin/adapters", data={"name": name, "owner": owner}, files=files)
+        r = post_adapter(admin, name, owner, source)
     assert r.status_code == 201, r.text
     return dict(r.json())
 

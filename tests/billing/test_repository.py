@@ -9,7 +9,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.auth import generate_key, verify_key
+from app.auth.api_keys import generate_key, verify_key
 from billing import repository as repo
 from billing.db import session_scope
 from billing.errors import ApiKeyNotFound, TenantNameTaken, TenantNotFound, TierExists, TierNotFound

@@ -17,6 +17,7 @@ from pydantic import SecretStr, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from bench.stripe_stub import EVENT_NAMES, StripeStub
 from billing.db import session_scope
 from billing.models import StripeExport, Tenant, UsageRollup
 from billing.stripe_config import StripeConfig
@@ -33,7 +34,6 @@ from billing.stripe_export import (
     reconcile,
 )
 from billing.usage import UsageRecord, closed_before, hour_of, record_usage, rollup_hours
-from tests.billing.stripe_stub import EVENT_NAMES, StripeStub
 
 METER = dict(zip(METER_KEYS, EVENT_NAMES, strict=True))
 CUSTOMERS = {"ten_acme": "cus_acme", "ten_beta": "cus_beta", "ten_nocus": None}

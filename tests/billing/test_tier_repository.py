@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.authenticator import limits_for
+from app.auth.authenticator import limits_for
 from app.limits import Limits
 from billing import repository as repo
 from billing.db import session_scope

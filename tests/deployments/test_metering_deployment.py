@@ -10,11 +10,11 @@ import stripe
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from bench.stripe_stub import StripeStub
 from billing.db import session_scope
 from billing.models import Tenant, UsageRollup
 from billing.usage import hour_of, record_usage
 from deployments.metering import Metering
-from tests.billing.stripe_stub import StripeStub
 from tests.billing.test_stripe_export import METER, usage
 
 

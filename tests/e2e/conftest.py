@@ -24,7 +24,7 @@ from ray import serve
 from sqlalchemy import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from bench.load_faults import postgres_outage, sqlite_outage
+from bench.load.incidents import postgres_outage, sqlite_outage
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from deployments.builder import build_app

@@ -12,8 +12,9 @@ import pytest
 from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.prompts import PromptBuilder
+from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
+from bench.admin_upload import post_adapter
 from tests.e2e.conftest import ServeApp
 from tests.engine.reference import PeftReference
 
@@ -25,17 +26,7 @@ LONG_PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "te
 
 def upload(app: ServeApp, name: str, owner: str, source: Path, base_model: str) -> httpx.Response:
     with app.admin() as admin:
-        return admin.post(
-            "/admin/adapters",
-            data={"name": name, "owner": owner, "base_model": base_model},
-            files={
-                "adapter_config": ("adapter_config.json", (source / "adapter_config.json").read_bytes()),
-                "adapter_model": (
-                    "adapter_model.safetensors",
-                    (source / "adapter_model.safetensors").read_bytes(),
-                ),
-            },
-        )
+        return post_adapter(admin, name, owner, source, base_model)
 
 
 def chat(client: OpenAI, model: str, max_tokens: int = 10) -> str:

@@ -46,7 +46,7 @@ from sqlalchemy import make_url, select
 from typer.testing import CliRunner
 
 from app.cli import build_app as cli_app
-from app.prompts import PromptBuilder
+from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
 from billing.db import make_engine, make_session_factory
 from billing.models import UsageEvent

@@ -12,7 +12,7 @@ from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 from sqlalchemy import select
 
-from app.prompts import PromptBuilder
+from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
 from billing.models import UsageEvent
 from deployments.engine.config import EngineConfig

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from app.admission import Admission
+from app.completions.admission import Admission
 from app.errors import RateLimited, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits, WindowState
 from app.limits.local_backend import LocalLimiter

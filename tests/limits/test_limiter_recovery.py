@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis
 
-from app.admission import Admission
+from app.completions.admission import Admission
 from app.limits import LimiterUnavailable, Limits
 from app.limits.local_backend import LocalLimiter
 from app.limits.redis_backend import RedisLimiter
@@ -74,6 +74,6 @@ async def test_redis_connections_killed_by_an_outage_are_replaced(
 
 @pytest.fixture(autouse=True)
 def _reset_admission_retries() -> None:
-    from app import admission
+    from app.completions import admission
 
     admission._RETRIES.clear()

@@ -5,12 +5,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from ray.serve._private.common import RequestMetadata
+from ray.serve.request_router import PendingRequest
 
 from adapters.ref import AdapterRef
 from deployments.engine.request import EngineRequest
 from deployments.engine.sampling_params import SamplingParams
 from deployments.rendezvous import rendezvous_order
-from deployments.router import PREFIX_TOKENS, AdapterAwareRouter
+from deployments.router import HOLD_TRIES, PREFIX_TOKENS, AdapterAwareRouter
 
 
 @dataclass(frozen=True)
@@ -179,3 +181,21 @@ def test_a_replica_without_routing_stats_yet_is_overloaded_by_the_configured_cap
     replicas = [FakeReplica(n) for n in ("a", "b")]
     router = make_router(spill_factor=0.5, max_num_seqs=4)  # overloaded at 2
     assert first(router, replicas, request("x")) != home
+
+
+async def test_an_adapter_request_waits_for_a_slow_home_instead_of_loading_its_adapter_elsewhere() -> None:
+    """Serve moves on to the next rank when a replica misses its 0.1 s queue-length probe, which a busy
+    replica on a loaded machine does: the adapter then loaded on a second replica (routing e2e failures on
+    slow CPUs). Its pick alone is offered for HOLD_TRIES rounds, with backoff; then the spill ranks."""
+    replicas = [FakeReplica(n, stats()) for n in ("a", "b", "c")]
+    home = rendezvous_order("x", ["a", "b", "c"])[0]
+    router = make_router()
+    pending = PendingRequest(args=[request("x")], kwargs={}, metadata=RequestMetadata("r", "t"))
+    for _ in range(HOLD_TRIES):  # the home did not answer in time: Serve asks again
+        ranks = await router.choose_replicas(replicas, pending)  # type: ignore[arg-type]
+        assert [[r.name for r in rank] for rank in ranks] == [[home]]  # type: ignore[attr-defined]
+        assert pending.routing_context.should_backoff  # Serve sleeps before the next round
+    ranks = await router.choose_replicas(replicas, pending)  # type: ignore[arg-type]
+    assert len(ranks) > 1 and ranks[0][0].name == home  # type: ignore[attr-defined]  # then it may spill
+    base = PendingRequest(args=[request(None)], kwargs={}, metadata=RequestMetadata("r2", "t"))
+    assert len(await router.choose_replicas(replicas, base)) > 1  # type: ignore[arg-type]  # base: never held

@@ -10,7 +10,8 @@ rendering it as JSON) is too much for the event loop every other request shares.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.logprobs import CompletionLogprobsBuilder, TokenTexts, chat_logprobs, join
+from app.completions.logprobs import CompletionLogprobsBuilder, TokenTexts, chat_logprobs, join
+from app.completions.tool_calls import BEGIN, ParsedCall, ToolCallStream, parse
 from app.schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -24,7 +25,6 @@ from app.schemas.openai import (
     ToolCallDelta,
     ToolCallOut,
 )
-from app.tool_calls import BEGIN, ParsedCall, ToolCallStream, parse
 from deployments.engine.interface import FinishReason, RequestOutput, TokenLogprob
 
 Kind = Literal["chat", "completion"]
@@ -61,6 +61,7 @@ class _Choice:
     seen: bool = False  # has had an output (an echo's prompt goes before the first)
     tools: ToolCallStream | None = None  # streamed chat with tools
     calls: int = 0  # tool calls streamed so far
+    forced: bool | None = None  # the grammar closed its structured output early (budget): True, else None
 
 
 class Choices:
@@ -134,6 +135,7 @@ class Choices:
             choice.logprobs += out.logprobs
         if out.finish_reason is not None:
             choice.finish = finish_reason(out)
+            choice.forced = out.closing_forced or None
 
     def final(self) -> list[ChatChoice] | list[CompletionChoice]:
         if self.kind == "completion":
@@ -146,7 +148,13 @@ class Choices:
                 logprobs = join(choice.pieces) if choice.builder is not None else None
                 text = "".join(choice.text)
                 completions.append(
-                    CompletionChoice(index=index, text=text, finish_reason=choice.finish, logprobs=logprobs)
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        finish_reason=choice.finish,
+                        logprobs=logprobs,
+                        closing_forced=choice.forced,
+                    )
                 )
             return completions
         chats = []
@@ -167,6 +175,7 @@ class Choices:
                     message=message,
                     finish_reason="tool_calls" if calls else choice.finish,
                     logprobs=self._chat_logprobs(choice.logprobs),
+                    closing_forced=choice.forced,
                 )
             )
         return chats
@@ -209,12 +218,17 @@ class Choices:
         choice = self._get(out.index)
         ended = out.finish_reason is not None
         reason = finish_reason(out) if ended else None
+        forced = out.closing_forced or None
         if self.kind == "completion":
             text, piece = self._completion_piece(choice, out)
             choice.seen = True
             if not (text or piece is not None or ended or out.finished):
                 return []
-            return [CompletionChoice(index=out.index, text=text, finish_reason=reason, logprobs=piece)]
+            return [
+                CompletionChoice(
+                    index=out.index, text=text, finish_reason=reason, logprobs=piece, closing_forced=forced
+                )
+            ]
         choice.seen = True
         logprobs = self._chat_logprobs(out.logprobs) if out.logprobs else None
         if choice.tools is None:
@@ -226,6 +240,7 @@ class Choices:
                     delta=ChatDelta(content=out.text),
                     finish_reason=reason,
                     logprobs=logprobs,
+                    closing_forced=forced,
                 )
             ]
         events = choice.tools.feed(out.text) + (choice.tools.finish() if ended else [])
@@ -248,6 +263,7 @@ class Choices:
             if not deltas:
                 deltas.append(ChatChunkChoice(index=out.index, delta=ChatDelta(content="")))
             deltas[-1].finish_reason = "tool_calls" if choice.calls else reason
+            deltas[-1].closing_forced = forced
         return deltas
 
 

@@ -8,8 +8,8 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from app.completions.logprobs import TokenTexts
 from app.errors import InvalidParameter
-from app.logprobs import TokenTexts
 from app.schemas.openai import ChatMessage
 
 

@@ -9,7 +9,7 @@ could still succeed would leave the throttle nothing to protect). Kept per ingre
 import hmac
 import time
 
-from app.auth_failures import FailureWindows
+from app.auth.failures import FailureWindows
 from app.errors import AdminAuthFailed, TooManyFailedAuthentications
 from app.settings import Settings
 

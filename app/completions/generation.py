@@ -23,11 +23,11 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters.errors import AdapterLoadFailed, AdapterNotFound
 from app import log_context, request_metrics
-from app.admission import Admission, concurrency_limit
-from app.authenticator import Principal
-from app.choices import Choices, Shape
-from app.closing_stream_response import ClosingStreamingResponse
-from app.engine_stream import EngineStream, uncancellable
+from app.auth.authenticator import Principal
+from app.completions.admission import Admission, concurrency_limit
+from app.completions.choices import Choices, Shape
+from app.completions.closing_stream_response import ClosingStreamingResponse
+from app.completions.engine_stream import EngineStream, uncancellable
 from app.errors import InvalidParameter, ModelNotFound, TooManySequences, to_api_error
 from app.metering.request_record import RequestRecord, RequestStatus
 from app.schemas.openai import (
@@ -59,24 +59,6 @@ Kind = Literal["chat", "completion"]
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 MAX_ATTEMPTS = 3  # a request whose replica is lost before its client saw output runs at most this often
 STOP_WAIT_S = 5.0  # how long a leaving client's request may take to report its final usage
-
-
-def sampling_params(body: SamplingFields, max_tokens: int | None, **more: Any) -> SamplingParams:
-    """OpenAI defaults where the request is silent (temperature 1, top_p 1); `more` sets the rest (n,
-    logprobs, logit_bias, structured output), which each route reads from its own fields."""
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        seed=body.seed,
-        stop=tuple(body.stop_list),
-        **more,
-    )
 
 
 def usage_block(usage: RequestUsage | None) -> Usage:

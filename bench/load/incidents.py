@@ -22,7 +22,7 @@ from typing import IO
 
 import psutil
 
-from tests.billing.stripe_stub import StripeStub
+from bench.stripe_stub import StripeStub
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app.engine_stream import uncancellable
+from app.completions.engine_stream import uncancellable
 
 
 class ClosingStreamingResponse(StreamingResponse):

@@ -3,7 +3,7 @@
 Revocation, expiry and tenant disabling take effect within `ttl` seconds on every ingress replica. Keys the
 database refused are cached for the same `ttl` (a negative cache), so a key created a moment after someone
 tried it also works within `ttl`; a repeated bogus key costs one lookup per `ttl`, and a client whose
-lookups keep failing is throttled (app/auth_failures.py: per address and key prefix) before it reaches the
+lookups keep failing is throttled (app/auth/failures.py: per address and key prefix) before it reaches the
 database again. Concurrent requests with the same uncached key share one lookup, so a burst of one key is
 one query, not one per request.
 """
@@ -18,10 +18,10 @@ from typing import TypeVar
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.auth import hash_key, parse_prefix, verify_key
-from app.auth_failures import FailureThrottle
+from app.auth.api_keys import hash_key, parse_prefix, verify_key
+from app.auth.failures import FailureThrottle
+from app.auth.key_usage import KeyUsageRecorder
 from app.errors import InvalidApiKey, TooManyFailedAuthentications
-from app.key_usage import KeyUsageRecorder
 from app.limits import Limits
 from billing import repository
 from billing.models import Tenant, Tier
