@@ -1,5 +1,7 @@
 """The embedded defaults behind `loraplex up`: database, demo models and public demo adapters, a demo key."""
 
+import hashlib
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -7,12 +9,16 @@ from typing import Any, get_args
 import yaml
 
 from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
+from adapters.spec import WEIGHTS_FILE
 from app.adapter_ingest import AdapterIngest
 from app.auth.api_keys import generate_key
 from app.bootstrap import adapter_store
 from app.catalog import BaseModelSpec, ModelCatalog
+from app.demo_assets import shipped_demo
 from app.dependency_noise import import_quietly
 from app.modelprep.demo_model import Arch, ensure_model
+from app.modelprep.demo_skills import SKILLS
+from app.modelprep.demo_training import ADAPTERS_DIR, BASE_DIR, RECORD_FILE
 from app.settings import Settings
 from billing import adapter_registry, repository
 from billing.db import make_engine, make_session_factory, session_scope
@@ -22,6 +28,7 @@ from billing.models import PUBLIC_OWNER
 from deployments.engine.interface import EngineConfig
 
 DEMO_TENANT = "demo"
+TRAINED_BASE = BASE_DIR  # the served name whose demo is the trained one (app/demo_assets)
 DEMO_KEY_NAME = "demo"  # `up` revokes the keys of this name it minted before: one live demo key at a time
 
 
@@ -38,13 +45,32 @@ def model_entries(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def ensure_demo_model(name: str, model_dir: Path) -> Path:
-    """Build `demo-<arch>` models that are missing; anything else missing is the operator's to provide."""
+    """The trained demo for `demo-llama` (copied from the shipped one unless already there); `demo-<arch>`
+    models of the other archs built (random) when missing; anything else missing is the operator's to
+    provide."""
+    if name == TRAINED_BASE:
+        _place_trained_demo(model_dir)
+        return model_dir
     if (model_dir / "config.json").exists():
         return model_dir
     arch = name.removeprefix("demo-")
     if not name.startswith("demo-") or arch not in get_args(Arch):
         raise FileNotFoundError(f"model directory {model_dir} for {name!r} does not exist")
     return ensure_model(model_dir, arch=arch, preset="demo")  # type: ignore[arg-type]
+
+
+def _place_trained_demo(model_dir: Path) -> bool:
+    """Copy the shipped demo model into `model_dir` unless it holds that very one; True if it copied.
+    The training record is written last, so an interrupted copy is redone."""
+    shipped = shipped_demo() / BASE_DIR
+    record = (shipped / RECORD_FILE).read_bytes()
+    placed = model_dir / RECORD_FILE
+    if placed.exists() and placed.read_bytes() == record:
+        return False
+    placed.unlink(missing_ok=True)
+    shutil.copytree(shipped, model_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(RECORD_FILE))
+    placed.write_bytes(record)
+    return True
 
 
 def prepare(settings: Settings, config_path: Path) -> DemoSetup:
@@ -92,19 +118,38 @@ def prepare(settings: Settings, config_path: Path) -> DemoSetup:
 def _ensure_demo_adapters(
     settings: Settings, ingest: AdapterIngest, sessions: Any, base_name: str, catalog: ModelCatalog
 ) -> list[str]:
-    """The demo adapters of one demo base model, built with PEFT and registered as public adapters.
-    With several demo bases, each base's set is suffixed by the base's name to keep names unique."""
+    """The demo adapters of one demo base model, registered as public adapters: the trained skill adapters
+    for `demo-llama`, random ones (built with PEFT) for other demo bases. With several demo bases, each
+    base's set is suffixed by the base's name to keep names unique. A shipped adapter whose registered
+    weights differ (an earlier release's) gets a new version."""
     base = catalog.get(base_name)
     assert base is not None
     single = len([b for b in catalog if b.name.startswith("demo-")]) == 1
+    trained = base_name == TRAINED_BASE
     names = []
-    for demo in DEMO_ADAPTERS:
+    for demo in [s.recipe for s in SKILLS] if trained else DEMO_ADAPTERS:
         name = demo.name if single else f"{demo.name}.{base_name}"
+        shipped = shipped_demo() / ADAPTERS_DIR / demo.name
         with sessions() as session:
-            exists = adapter_registry.find_live(session, owner=PUBLIC_OWNER, name=name) is not None
-        if not exists:
-            import_quietly("gptqmodel")  # PEFT imports it when installed; it prints a banner
-            path = build_from_recipe(demo, base.model_dir, settings.data_dir / "demo-adapters" / name)
+            live = adapter_registry.find_live(session, owner=PUBLIC_OWNER, name=name)
+            current = live is not None and (
+                not trained or _live_sha256(session, live.id) == _file_sha256(shipped / WEIGHTS_FILE)
+            )
+        if not current:
+            if trained:
+                path = shipped
+            else:
+                import_quietly("gptqmodel")  # PEFT imports it when installed; it prints a banner
+                path = build_from_recipe(demo, base.model_dir, settings.data_dir / "demo-adapters" / name)
             ingest.register_dir(name, PUBLIC_OWNER, base, path)
         names.append(f"public/{name}")
     return names
+
+
+def _live_sha256(session: Any, adapter_id: str) -> str | None:
+    version = adapter_registry.latest_version(session, adapter_id=adapter_id)
+    return None if version is None else version.sha256
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -29,11 +29,12 @@ from pathlib import Path
 
 import httpx
 
-from adapters.demo_adapters import DEMO_ADAPTERS, build_from_recipe
 from app.bootstrap import build_services
 from app.catalog import BaseModelSpec
+from app.demo_assets import shipped_demo
 from app.main import create_app
-from app.modelprep.demo_model import ensure_model
+from app.modelprep.demo_skills import SKILLS
+from app.modelprep.demo_training import ADAPTERS_DIR, BASE_DIR
 from app.settings import Settings
 from bench.live_server import LiveServer
 from bench.measure import machine
@@ -46,8 +47,7 @@ from deployments.registry_watcher import RegistryWatcher
 ROOT = Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "bench" / "lm_eval_task"
 TASK = "loraplex_mc"  # bench/lm_eval_task/loraplex_mc.yaml; 20 documents of 4 choices
-MODEL = "demo-llama"  # what `loraplex up` serves: the demo preset, fp32
-CACHE = Path("var/bench")
+MODEL = "demo-llama"  # what `loraplex up` serves: the trained demo, fp32
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_EVALUATE_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
@@ -55,13 +55,10 @@ Scores = dict[tuple[int, int], tuple[float, bool]]  # (doc id, choice) -> (log-l
 
 
 def ensure_assets(adapter: str) -> tuple[Path, Path]:
-    """(model dir, PEFT adapter dir), built once under var/bench and reused."""
-    model_dir = ensure_model(CACHE / MODEL, arch="llama", preset="demo").resolve()
-    recipe = next(a for a in DEMO_ADAPTERS if a.name == adapter)
-    adapter_dir = CACHE / f"{MODEL}-adapters" / adapter
-    if not (adapter_dir / "adapter_model.safetensors").exists():
-        build_from_recipe(recipe, model_dir, adapter_dir)
-    return model_dir, adapter_dir.resolve()
+    """(model dir, PEFT adapter dir) of the trained demo shipped in app/demo_assets (what `loraplex up`
+    serves), so that the accuracies mean something; the comparison itself holds for any weights."""
+    demo = shipped_demo()
+    return demo / BASE_DIR, demo / ADAPTERS_DIR / adapter
 
 
 @contextlib.contextmanager
@@ -194,7 +191,7 @@ def main() -> None:
     # fp32 sums of ~10 token log-probabilities (|ll| ~ 10-70): measured differences are ~1e-5 at most.
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |Δ log-likelihood|")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per /v1/completions request")
-    parser.add_argument("--adapter", default="demo-pirate", choices=[a.name for a in DEMO_ADAPTERS])
+    parser.add_argument("--adapter", default="demo-pirate", choices=[s.name for s in SKILLS])
     parser.add_argument("--tiny", action="store_true", help="4 documents: checks it runs")
     args = parser.parse_args()
     if args.tiny:

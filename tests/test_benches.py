@@ -52,6 +52,7 @@ BENCHES = {
     },
     "parsing": {"openings", "ratio_regex_vs_one_pass", "stream_s", "prompt_ids", "ratio_union_vs_validate"},
     "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},
+    "adapter_skills": {"scores", "min_api", "max_base", "max_api_peft_gap"},
     "http_load": {"engine", "platform", "overhead", "metering", "errors", "capacity_rps", "rate_rps"},
     "prefix_reuse": {
         "followup_ttft_ms",

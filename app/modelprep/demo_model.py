@@ -21,7 +21,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self, get_args
 
@@ -288,7 +288,7 @@ def synthetic_corpus(seed: int, lines: int = _CORPUS_LINES) -> Iterator[str]:
             yield _unicode_line(rng, words)
 
 
-def _train_backend(vocab_size: int, seed: int) -> Tokenizer:
+def _train_backend(vocab_size: int, corpus: Iterable[str]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())  # no unk token: all 256 bytes are in the vocabulary
     # No normalizer and no prefix space, so decode(encode(s)) == s for any string.
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -306,16 +306,23 @@ def _train_backend(vocab_size: int, seed: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(synthetic_corpus(seed), trainer)
+    tokenizer.train_from_iterator(corpus, trainer)
     return tokenizer
 
 
 def build_tokenizer(out_dir: Path, *, vocab_size: int = 2048, seed: int = 0) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer with ChatML special tokens and save it into `out_dir`."""
+    return train_tokenizer(out_dir, synthetic_corpus(seed), vocab_size=vocab_size)
+
+
+def train_tokenizer(
+    out_dir: Path, corpus: Iterable[str], *, vocab_size: int = 2048
+) -> PreTrainedTokenizerFast:
+    """`build_tokenizer` on a given corpus (the trained demo's chat text)."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated __init__
-        tokenizer_object=_train_backend(vocab_size, seed),
+        tokenizer_object=_train_backend(vocab_size, corpus),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,

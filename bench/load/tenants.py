@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from app.modelprep.demo_skills import SKILLS
 from bench.load.options import MODEL, SEED_PREFIX, STRIPE_CUSTOMERS
 from bench.load.platform import Platform
 
@@ -114,8 +115,7 @@ def _seed_closed_hours(sessions: Any, tenants: list[TenantSetup], adapter_id: st
 
 
 def write_plan(platform: Platform, tenants: list[TenantSetup]) -> Path:
-    models = [MODEL, "public/demo-sql", "public/demo-poet", "public/demo-pirate", "public/demo-legal",
-              "public/demo-chef"]  # fmt: skip
+    models = [MODEL, *(f"public/{skill.name}" for skill in SKILLS)]  # what `loraplex up` registered
     plan = {
         "tenants": [
             {"name": t.name, "tenant_id": t.tenant_id, "key": t.key, "users": t.users, "limited": t.limited}
