@@ -50,9 +50,6 @@ def reconcile_spend(session: Session, *, start: datetime, end: datetime) -> list
     )
     for event in events:
         key = (event.tenant_id, event.started_at.strftime("%Y-%m-%d"))
-        if event.cost is None:
-            unpriced[key] += 1
-            continue
         tier = tier_of.get(event.tenant_id, "")
         chosen = choose(rows, tenant_id=event.tenant_id, tier=tier, base_model=event.base_model,
                         adapter_id=event.adapter_id, at=event.started_at)  # fmt: skip
@@ -64,8 +61,12 @@ def reconcile_spend(session: Session, *, start: datetime, end: datetime) -> list
             unpriced[key] += 1
             continue
         used = Metered(event.prompt_tokens, event.cached_tokens, event.completion_tokens, event.gpu_ms)
-        settled[key] += Decimal(str(event.cost))
-        repriced[key] += cost_of(used, prices)
+        due = cost_of(used, prices)
+        # A row settled without a cost (its ingress could not price it: the database down at admission, a
+        # request that failed before its usage was known) is billed from the price history; nothing to
+        # disagree with. Only a row no price covers is unpriced.
+        settled[key] += due if event.cost is None else Decimal(str(event.cost))
+        repriced[key] += due
     found = []
     for key in sorted(set(settled) | set(unpriced)):
         a, b = settled[key], repriced[key]
