@@ -9,47 +9,23 @@ from typing import Any
 
 import ray
 
+from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend, BudgetView, Hold, Periods
-from app.budgets.state import BudgetState
 from app.limits import LimiterUnavailable
 from billing.credit import BudgetSnapshot
 
 ACTOR_NAME = "loraplex-budgets"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)  # type: ignore[call-overload]
-class BudgetActor:
-    def __init__(self) -> None:
-        self.state = BudgetState()
-
-    async def load(self, snapshot: BudgetSnapshot, version: int) -> None:
-        self.state.load(snapshot, version)
-
-    async def reserve(self, tenant: str, request_id: str, amount: int, ttl_ms: int, periods: Periods) -> Hold:
-        return self.state.reserve(tenant, request_id, amount, ttl_ms, periods)
-
-    async def settle(self, tenant: str, request_id: str, cost: int, periods: Periods) -> None:
-        self.state.settle(tenant, request_id, cost, periods)
-
-    async def renew(self, tenant: str, request_id: str, ttl_ms: int) -> None:
-        self.state.renew(tenant, request_id, ttl_ms)
-
-    async def credit(self, tenant: str, delta: int, version: int) -> None:
-        self.state.credit(tenant, delta, version)
-
-    async def set_limits(self, tenant: str, limits: dict[str, tuple[int, bool]]) -> None:
-        self.state.set_limits(tenant, limits)
-
-    async def forget(self, tenant: str) -> None:
-        self.state.forget(tenant)
-
-    async def peek(self, tenant: str, periods: Periods) -> BudgetView | None:
-        return self.state.peek(tenant, periods)
+# The actor is LocalBudgets itself: the same BudgetState calls, run on the actor's one event loop.
+BudgetActor: Any = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(  # type: ignore[call-overload]
+    LocalBudgets
+)
 
 
 class RayBudgets(BudgetBackend):
     def __init__(self, *, namespace: str = "loraplex", timeout_s: float = 3.0) -> None:
-        self._actor: Any = BudgetActor.options(  # type: ignore[attr-defined]
+        self._actor: Any = BudgetActor.options(
             name=ACTOR_NAME, namespace=namespace, get_if_exists=True, lifetime="detached"
         ).remote()
         self._timeout = timeout_s
