@@ -23,9 +23,9 @@ def test_each_demo_adapter_shows_its_skill_and_the_base_none() -> None:
     demo = shipped_demo()
     result = measure(demo / BASE_DIR, demo / ADAPTERS_DIR, count=6, max_tokens=64)
     for name, row in result["table"].items():
-        # The issue's goal is 0.8; demo-json and demo-shout reach 0.75 on bench.adapter_skills' first 8
-        # questions (docs/benchmarks.md), so this holds them to what they do, well clear of the base.
-        assert row["api"] >= 0.6, (name, row, result["replies"])
+        # The issue's goal, 0.8: every adapter scores 0.94-1.00 on bench.adapter_skills' 50 questions
+        # (docs/benchmarks.md); on these 6, one miss (0.83) still passes.
+        assert row["api"] >= 0.8, (name, row, result["replies"])
         assert row["base"] < 0.2, (name, row, result["replies"])
         assert abs(row["api"] - row["peft"]) <= 0.05, (name, row)
 
