@@ -154,12 +154,19 @@ def cost_of(used: Metered, prices: Prices) -> Decimal:
     return sum(parts, ZERO)
 
 
-def worst_case(prompt_tokens: int, output_tokens: int, prices: Prices) -> Decimal:
-    """An upper bound of what a request with these prompt tokens and at most `output_tokens` output can
-    cost in tokens: every prompt token at the dearer of the input prices (the cache may or may not hit),
-    rounded up, plus 2 micro-units for cost_of's three half-even roundings (each at most half a micro-unit
-    up). cost_of is monotonic in each count, so no metered usage within these bounds costs more."""
+def worst_case(
+    prompt_tokens: int, output_tokens: int, prices: Prices, max_gpu_ms: float | None = None
+) -> Decimal:
+    """An upper bound of what a request with these prompt tokens, at most `output_tokens` output and at most
+    `max_gpu_ms` of GPU time (None: GPU time is not bounded, nor counted) can cost: every prompt token at the
+    dearer of the input prices (the cache may or may not hit), rounded up, plus 2 micro-units for cost_of's
+    three half-even roundings of the token parts (each at most half a micro-unit up), plus the bound's GPU
+    part as cost_of computes it. cost_of is monotonic in each count and in the GPU time, so no metered usage
+    within these bounds costs more."""
     dearest = max(prices.input_per_mtok, prices.cached_input_per_mtok)
     with localcontext(Context(prec=60)):
         exact = (Decimal(prompt_tokens) * dearest + Decimal(output_tokens) * prices.output_per_mtok) / MILLION
-        return exact.quantize(MONEY_STEP, rounding=ROUND_CEILING) + 2 * MONEY_STEP
+        tokens = exact.quantize(MONEY_STEP, rounding=ROUND_CEILING) + 2 * MONEY_STEP
+    if max_gpu_ms is None:
+        return tokens
+    return tokens + gpu_cost(gpu_seconds_of(ms_decimal(max_gpu_ms)), prices.gpu_per_second)
