@@ -19,7 +19,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from billing import repository
-from billing.models import PriceChange, Tier, utcnow
+from billing.models import PriceChange, Tenant, Tier, UsageEvent, utcnow
 from billing.pricing import (
     MILLION,
     MONEY_STEP,
@@ -137,6 +137,30 @@ def tier_prices(tier: Tier) -> Prices:
         output_per_mtok=Decimal(tier.price_output_per_mtok),
         gpu_per_second=Decimal(tier.price_gpu_per_second),
     )
+
+
+class PriceHistory:
+    """Every price row, tier and tenant's tier, read once: what many usage rows cost at the prices in force
+    when each started (reconciliation, and the rollups' cost for rows settled without one)."""
+
+    def __init__(self, session: Session) -> None:
+        self._rows = list(session.scalars(select(PriceChange)))
+        self._tiers = {tier.name: tier for tier in session.scalars(select(Tier))}
+        self._tier_of = dict(session.execute(select(Tenant.id, Tenant.tier)).tuples().all())
+
+    def cost(self, event: UsageEvent) -> Decimal | None:
+        """The row's usage at the prices in force when it started; None when no price covers it."""
+        tier = self._tier_of.get(event.tenant_id, "")
+        chosen = choose(self._rows, tenant_id=event.tenant_id, tier=tier, base_model=event.base_model,
+                        adapter_id=event.adapter_id, at=event.started_at)  # fmt: skip
+        if chosen is not None:
+            prices = as_prices(chosen, tier)
+        elif tier in self._tiers:
+            prices = tier_prices(self._tiers[tier])
+        else:
+            return None
+        return cost_of(Metered(event.prompt_tokens, event.cached_tokens, event.completion_tokens,
+                               event.gpu_ms), prices)  # fmt: skip
 
 
 def _specificity(row: PriceChange) -> tuple[bool, bool, bool]:
