@@ -97,7 +97,10 @@ def build_services(
         limiter=limiter or LocalLimiter(),
         limiter_fail_open=limiter_fail_open,
         budget_guard=BudgetGuard(
-            budgets or LocalBudgets(), session_factory, price_ttl_s=settings.auth_cache_ttl_s
+            budgets or LocalBudgets(),
+            session_factory,
+            price_ttl_s=settings.auth_cache_ttl_s,
+            max_gpu_seconds=settings.budget_max_gpu_seconds,
         ),
         delivery=delivery,
         observers=[MeteringObserver(outbox, delivery), RequestMetrics()],

@@ -1,7 +1,8 @@
 """BudgetGuard: a request's money, from its reservation at admission to its settlement when it ends.
 
 At admission the request's worst case (every prompt token at the dearer input price, every choice of
-every prompt its max_tokens of output) is held against the tenant's credit and hard spend limits in the
+every prompt its max_tokens of output and, where GPU time is priced, the GPU-time bound the engine stops the
+request at) is held against the tenant's credit and hard spend limits in the
 shared budget backend, atomically there, so concurrent requests on any number of ingress replicas can
 never together be served more than the tenant has. When the request ends it settles to its metered cost
 at the same prices (never more than it held), and the rest is released. A backend that lost its state
@@ -30,6 +31,7 @@ from billing.price_book import Metered, cost_of, worst_case
 from billing.pricing import Prices
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_GPU_S = 300.0  # Settings.budget_max_gpu_seconds
 HOLD_TTL_MS = 120_000  # a hold nobody renews (every 30 s, with the rate-limit lease) or settles lapses
 _RETRIES: set["asyncio.Future[None]"] = set()  # background settle retries, kept from the GC
 _LIMIT_NAMES = {"credit": "prepaid credit", "day": "daily spend limit", "month": "monthly spend limit"}
@@ -49,6 +51,9 @@ class BudgetHold:
     prices: Prices
     amount: int | None
     view: BudgetView | None
+    # The GPU time (ms) the engine may charge the request (EngineRequest.max_gpu_ms), part of `amount`;
+    # None: not bounded (the tenant is not budgeted, or its prices do not charge GPU time).
+    max_gpu_ms: float | None = None
 
     def headers(self) -> dict[str, str]:
         remaining = None if self.view is None else self.view.remaining()
@@ -62,9 +67,17 @@ class BudgetHold:
 
 class BudgetGuard:
     def __init__(
-        self, backend: BudgetBackend, session_factory: Callable[[], Session], *, price_ttl_s: float
+        self,
+        backend: BudgetBackend,
+        session_factory: Callable[[], Session],
+        *,
+        price_ttl_s: float,
+        max_gpu_seconds: float = DEFAULT_MAX_GPU_S,
     ) -> None:
+        """`max_gpu_seconds`: the GPU time a budgeted request may use where GPU time is priced; its hold
+        includes that much, and the engine stops the request there."""
         self.backend = backend
+        self.max_gpu_ms = max_gpu_seconds * 1000
         self._sessions = session_factory
         self.prices = PriceCache(session_factory, ttl_s=price_ttl_s)
         self._soft_written: set[tuple[str, str]] = set()  # (tenant, period key) this replica has written
@@ -88,7 +101,8 @@ class BudgetGuard:
             raise BudgetUnavailable() from None
         if not budgeted:
             return BudgetHold(tenant_id, request_id, prices, None, None)
-        amount = to_micros(worst_case(prompt_tokens, output_tokens, prices))
+        max_gpu_ms = self.max_gpu_ms if prices.gpu_per_second > 0 else None
+        amount = to_micros(worst_case(prompt_tokens, output_tokens, prices, max_gpu_ms))
         periods = periods_at()
         try:
             hold = await self.backend.reserve(tenant_id, request_id, amount, HOLD_TTL_MS, periods)
@@ -102,7 +116,7 @@ class BudgetGuard:
             raise self._refusal(hold, amount, prices)
         assert hold.view is not None
         await self._soft_events(tenant_id, hold.view, periods)
-        return BudgetHold(tenant_id, request_id, prices, amount, hold.view)
+        return BudgetHold(tenant_id, request_id, prices, amount, hold.view, max_gpu_ms)
 
     def sessions(self) -> Session:
         return self._sessions()
@@ -155,7 +169,9 @@ class BudgetGuard:
         cost = Decimal("0.000000") if used is None else cost_of(used, hold.prices)
         if hold.amount is None:
             return cost
-        micros = min(to_micros(cost), hold.amount)  # GPU time is not reserved yet: never spend past the hold
+        # The engine charges at most max_gpu_ms, so the cost is within the hold; the cap keeps the promise
+        # even against an engine that ignored the bound (one of an older version, mid-upgrade).
+        micros = min(to_micros(cost), hold.amount)
         try:
             await self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at())
         except Exception as error:

@@ -121,6 +121,16 @@ class Settings(BaseSettings):
         description="An API key's last_used_at is written at most once per this many seconds per replica.",
     )
 
+    budget_max_gpu_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "GPU seconds one request of a budgeted tenant (credit or a spend limit) may use where its prices "
+            "charge GPU time: its hold includes this much GPU time, and the engine ends it there with "
+            "finish_reason length (gpu_time_limited), so its cost never exceeds its hold."
+        ),
+    )
+
     adapter_cache_ttl_s: float = Field(
         default=1.0,
         ge=0,

@@ -29,6 +29,7 @@ EVENT_NAMES = (
     "loraplex_cached_input_tokens",
     "loraplex_output_tokens",
     "loraplex_gpu_ms",
+    "loraplex_cost_micros",
 )
 FaultKind = Literal["500", "429", "400", "drop"]
 _DEDUP_WINDOW_S = 24 * 3600

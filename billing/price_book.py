@@ -19,7 +19,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from billing import repository
-from billing.models import PriceChange, Tier, utcnow
+from billing.models import PriceChange, Tenant, Tier, UsageEvent, utcnow
 from billing.pricing import (
     MILLION,
     MONEY_STEP,
@@ -139,6 +139,30 @@ def tier_prices(tier: Tier) -> Prices:
     )
 
 
+class PriceHistory:
+    """Every price row, tier and tenant's tier, read once: what many usage rows cost at the prices in force
+    when each started (reconciliation, and the rollups' cost for rows settled without one)."""
+
+    def __init__(self, session: Session) -> None:
+        self._rows = list(session.scalars(select(PriceChange)))
+        self._tiers = {tier.name: tier for tier in session.scalars(select(Tier))}
+        self._tier_of = dict(session.execute(select(Tenant.id, Tenant.tier)).tuples().all())
+
+    def cost(self, event: UsageEvent) -> Decimal | None:
+        """The row's usage at the prices in force when it started; None when no price covers it."""
+        tier = self._tier_of.get(event.tenant_id, "")
+        chosen = choose(self._rows, tenant_id=event.tenant_id, tier=tier, base_model=event.base_model,
+                        adapter_id=event.adapter_id, at=event.started_at)  # fmt: skip
+        if chosen is not None:
+            prices = as_prices(chosen, tier)
+        elif tier in self._tiers:
+            prices = tier_prices(self._tiers[tier])
+        else:
+            return None
+        return cost_of(Metered(event.prompt_tokens, event.cached_tokens, event.completion_tokens,
+                               event.gpu_ms), prices)  # fmt: skip
+
+
 def _specificity(row: PriceChange) -> tuple[bool, bool, bool]:
     return (row.adapter_id is not None, row.base_model is not None, row.tenant_id is not None)
 
@@ -154,12 +178,19 @@ def cost_of(used: Metered, prices: Prices) -> Decimal:
     return sum(parts, ZERO)
 
 
-def worst_case(prompt_tokens: int, output_tokens: int, prices: Prices) -> Decimal:
-    """An upper bound of what a request with these prompt tokens and at most `output_tokens` output can
-    cost in tokens: every prompt token at the dearer of the input prices (the cache may or may not hit),
-    rounded up, plus 2 micro-units for cost_of's three half-even roundings (each at most half a micro-unit
-    up). cost_of is monotonic in each count, so no metered usage within these bounds costs more."""
+def worst_case(
+    prompt_tokens: int, output_tokens: int, prices: Prices, max_gpu_ms: float | None = None
+) -> Decimal:
+    """An upper bound of what a request with these prompt tokens, at most `output_tokens` output and at most
+    `max_gpu_ms` of GPU time (None: GPU time is not bounded, nor counted) can cost: every prompt token at the
+    dearer of the input prices (the cache may or may not hit), rounded up, plus 2 micro-units for cost_of's
+    three half-even roundings of the token parts (each at most half a micro-unit up), plus the bound's GPU
+    part as cost_of computes it. cost_of is monotonic in each count and in the GPU time, so no metered usage
+    within these bounds costs more."""
     dearest = max(prices.input_per_mtok, prices.cached_input_per_mtok)
     with localcontext(Context(prec=60)):
         exact = (Decimal(prompt_tokens) * dearest + Decimal(output_tokens) * prices.output_per_mtok) / MILLION
-        return exact.quantize(MONEY_STEP, rounding=ROUND_CEILING) + 2 * MONEY_STEP
+        tokens = exact.quantize(MONEY_STEP, rounding=ROUND_CEILING) + 2 * MONEY_STEP
+    if max_gpu_ms is None:
+        return tokens
+    return tokens + gpu_cost(gpu_seconds_of(ms_decimal(max_gpu_ms)), prices.gpu_per_second)

@@ -30,8 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from billing import repository
-from billing.models import Adapter, UsageRollup
-from billing.usage import BASE_ADAPTER_KEY
+from billing.models import BASE_ADAPTER_KEY, Adapter, UsageRollup
 
 MONEY_DECIMALS = 6
 MONEY_STEP = Decimal(1).scaleb(-MONEY_DECIMALS)  # 0.000001

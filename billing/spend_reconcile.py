@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from billing.models import PriceChange, Tenant, Tier, UsageEvent
-from billing.price_book import Metered, as_prices, choose, cost_of, tier_prices
+from billing.models import UsageEvent
+from billing.price_book import PriceHistory
 from billing.pricing import ZERO
 
 CENT = Decimal("0.01")
@@ -39,9 +39,7 @@ class SpendDiscrepancy:
 def reconcile_spend(session: Session, *, start: datetime, end: datetime) -> list[SpendDiscrepancy]:
     """Every tenant and UTC day in [start, end) whose settled spend and repriced spend differ by a cent
     or more, or that has unpriced rows."""
-    rows = list(session.scalars(select(PriceChange)))
-    tiers = {tier.name: tier for tier in session.scalars(select(Tier))}
-    tier_of = dict(session.execute(select(Tenant.id, Tenant.tier)).tuples().all())
+    history = PriceHistory(session)
     settled: defaultdict[tuple[str, str], Decimal] = defaultdict(lambda: ZERO)
     repriced: defaultdict[tuple[str, str], Decimal] = defaultdict(lambda: ZERO)
     unpriced: defaultdict[tuple[str, str], int] = defaultdict(int)
@@ -50,18 +48,10 @@ def reconcile_spend(session: Session, *, start: datetime, end: datetime) -> list
     )
     for event in events:
         key = (event.tenant_id, event.started_at.strftime("%Y-%m-%d"))
-        tier = tier_of.get(event.tenant_id, "")
-        chosen = choose(rows, tenant_id=event.tenant_id, tier=tier, base_model=event.base_model,
-                        adapter_id=event.adapter_id, at=event.started_at)  # fmt: skip
-        if chosen is not None:
-            prices = as_prices(chosen, tier)
-        elif tier in tiers:
-            prices = tier_prices(tiers[tier])
-        else:
+        due = history.cost(event)
+        if due is None:
             unpriced[key] += 1
             continue
-        used = Metered(event.prompt_tokens, event.cached_tokens, event.completion_tokens, event.gpu_ms)
-        due = cost_of(used, prices)
         # A row settled without a cost (its ingress could not price it: the database down at admission, a
         # request that failed before its usage was known) is billed from the price history; nothing to
         # disagree with. Only a row no price covers is unpriced.

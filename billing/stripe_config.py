@@ -44,6 +44,13 @@ class StripeConfig(BaseSettings):
         pattern=_EVENT_NAME_PATTERN,
         description="event_name of the meter summing GPU milliseconds (each hour's total, rounded).",
     )
+    meter_cost: str = Field(
+        default="loraplex_cost_micros",
+        pattern=_EVENT_NAME_PATTERN,
+        description="event_name of the monetary meter: each hour's settled cost (our prices: per tenant, "
+        "adapter and base model, as in force when each request ran) in micro-units of the tenant's currency; "
+        "price it at 0.000001 of the currency a unit.",
+    )
     max_network_retries: int = Field(
         default=3,
         ge=0,
@@ -61,7 +68,7 @@ class StripeConfig(BaseSettings):
     def _distinct_meters(self) -> "StripeConfig":
         names = list(self.event_names().values())
         if len(set(names)) != len(names):  # two meters on one event_name would each count the other's usage
-            raise ValueError(f"the four meter event names must differ, got {names}")
+            raise ValueError(f"the five meter event names must differ, got {names}")
         return self
 
     @property
@@ -75,4 +82,5 @@ class StripeConfig(BaseSettings):
             "cached_input_tokens": self.meter_cached_input_tokens,
             "output_tokens": self.meter_output_tokens,
             "gpu_ms": self.meter_gpu_ms,
+            "cost": self.meter_cost,
         }

@@ -1,6 +1,10 @@
 """Stripe Billing Meters export: closed hourly rollups become meter events, each delivered exactly once.
 
-Four meters sum per customer: uncached input tokens, cached input tokens, output tokens and GPU ms. For
+Five meters sum per customer: four quantities (uncached input tokens, cached input tokens, output tokens,
+GPU ms) and one amount of money, the rollup's settled cost in micro-units (the sum of its usage rows' costs,
+each fixed at our prices when the request ran), so per-tenant, per-adapter and historical prices reach the
+invoice. A tenant's usage from the hour of its first credit entry on is prepaid: money already collected, so
+none of its meters is sent (its rows are 'skipped', so the log still accounts for it). For
 each closed rollup of a tenant with a Stripe customer, and each meter, the export log (stripe_exports) holds
 one row per increase: revision r carries what that rollup's meter grew by since the rows before it, under the
 identifier "<rollup id>-<meter key>-r<r>". A late event that lands in an exported hour therefore becomes a
@@ -24,20 +28,20 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import stripe
 from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from billing.models import StripeExport, Tenant, UsageRollup, utcnow
+from billing.models import CreditEntry, StripeExport, Tenant, UsageRollup, utcnow
 from billing.stripe_config import StripeConfig
 from billing.usage import closed_before, hour_of
 
 log = logging.getLogger(__name__)
 
-METER_KEYS: Final = ("input_tokens", "cached_input_tokens", "output_tokens", "gpu_ms")
+METER_KEYS: Final = ("input_tokens", "cached_input_tokens", "output_tokens", "gpu_ms", "cost")
 # Stripe takes meter events whose timestamp is within the past 35 days. The margin keeps a row planned now
 # from expiring before it is sent, and leaves room for clock drift.
 STRIPE_MAX_EVENT_AGE: Final = timedelta(days=35)
@@ -47,6 +51,7 @@ EVENT_OFFSET: Final = timedelta(minutes=30)  # an event's time: the middle of it
 # a row to 'failed' to give its value back: the next run plans it again under a new revision.
 ACCOUNTED: Final = ("sent", "pending", "skipped")
 TOO_OLD = "event time is older than Stripe's 35-day window for meter events; not billed"
+PREPAID = "prepaid: paid from the tenant's credit; not invoiced again"
 _CHUNK = 500  # rollup ids per IN (...) list
 _LOGGED: Final = ("sent", "skipped", "pending")
 
@@ -65,6 +70,7 @@ class ExportSummary:
     skipped: int  # rows marked skipped this run (too old to send)
     duplicates: int = 0  # of `sent`: events Stripe already had under that identifier
     pending: int = 0  # rows still pending after the run (failed, or beyond batch_limit)
+    prepaid: int = 0  # rows marked skipped this run as prepaid usage (paid from credit)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -78,7 +84,7 @@ class Discrepancy:
     meter: str  # the Stripe meter's event_name
     db: int  # what the closed rollups add up to
     sent: int  # what the export log says Stripe accepted
-    skipped: int  # what was deliberately never sent (too old)
+    skipped: int  # what was deliberately never sent (too old, or prepaid)
     pending: int  # planned, not delivered yet
     stripe: int | None  # Stripe's meter event summary
 
@@ -93,6 +99,7 @@ def meter_values(rollup: UsageRollup) -> dict[str, int]:
         "cached_input_tokens": rollup.cached_tokens,
         "output_tokens": rollup.completion_tokens,
         "gpu_ms": round(rollup.gpu_ms),
+        "cost": rollup.cost_micros or 0,  # NULL: a rollup not recomputed since 0008; its quantities were sent
     }
 
 
@@ -134,7 +141,7 @@ def export_usage(
     """
     client = client or make_client(config)
     now = now or utcnow()
-    created, skipped = plan_exports(session_factory, config, now=now)
+    created, skipped, prepaid = plan_exports(session_factory, config, now=now)
     sent = failed = duplicates = 0
     oldest = now - STRIPE_MAX_EVENT_AGE + SEND_MARGIN
     with session_factory() as session:
@@ -168,21 +175,26 @@ def export_usage(
     with session_factory() as session:
         pending = session.scalar(select(func.count()).where(StripeExport.status == "pending")) or 0
     return ExportSummary(created=created, sent=sent, failed=failed, skipped=skipped, duplicates=duplicates,
-                         pending=pending)  # fmt: skip
+                         pending=pending, prepaid=prepaid)  # fmt: skip
 
 
-def plan_exports(
-    session_factory: sessionmaker[Session], config: StripeConfig, *, now: datetime
-) -> tuple[int, int]:
-    """Create an export row for every closed rollup meter that grew; returns (pending created, skipped).
+class Planned(NamedTuple):
+    created: int  # pending rows
+    skipped: int  # too old to send
+    prepaid: int  # prepaid usage, never sent
 
-    A rollup whose event time is past Stripe's window gets 'skipped' rows instead, so it is accounted once
-    and not looked at again. Each chunk of rollups is committed on its own; a chunk that collides with a
-    concurrent run (same deterministic identifiers) is rolled back and left to that run.
+
+def plan_exports(session_factory: sessionmaker[Session], config: StripeConfig, *, now: datetime) -> Planned:
+    """Create an export row for every closed rollup meter that grew.
+
+    A rollup whose event time is past Stripe's window, or that is prepaid usage, gets 'skipped' rows
+    instead, so it is accounted once and not looked at again. Each chunk of rollups is committed on its
+    own; a chunk that collides with a concurrent run (same deterministic identifiers) is rolled back and
+    left to that run.
     """
     names = config.event_names()
     oldest = now - STRIPE_MAX_EVENT_AGE + SEND_MARGIN
-    created = skipped = 0
+    created = skipped = prepaid = 0
     with session_factory() as session:
         candidates = _grown_rollups(session, names, cutoff=closed_before(now))
     for start in range(0, len(candidates), _CHUNK):
@@ -198,14 +210,23 @@ def plan_exports(
                 log.warning("stripe export: another run planned the same rollups; leaving them to it")
                 continue
         created += pending
-        skipped += len(rows) - pending
-    return created, skipped
+        prepaid += sum(row.last_error == PREPAID for row in rows)
+        skipped += sum(row.last_error == TOO_OLD for row in rows)
+    return Planned(created, skipped, prepaid)
 
 
 @dataclass(frozen=True)
 class _Candidate:
     rollup: UsageRollup
     customer: str
+    prepaid_since: datetime | None  # the tenant's first credit entry
+
+    @property
+    def prepaid(self) -> bool:
+        """Usage from the hour of the first credit entry on was held against credit: already paid. (The
+        part of that hour before it is not invoiced either: never twice beats once too few.)"""
+        since = self.prepaid_since
+        return since is not None and self.rollup.hour >= hour_of(since)
 
 
 def _grown_rollups(session: Session, names: Mapping[str, str], *, cutoff: datetime) -> list[_Candidate]:
@@ -230,10 +251,16 @@ def _grown_rollups(session: Session, names: Mapping[str, str], *, cutoff: dateti
     def accounted(key: str) -> Any:
         return func.coalesce(sums.c[key], 0)
 
+    first_credit = (
+        select(CreditEntry.tenant_id, func.min(CreditEntry.created_at).label("since"))
+        .group_by(CreditEntry.tenant_id)
+        .subquery()
+    )
     query = (
-        select(UsageRollup, Tenant.stripe_customer_id)
+        select(UsageRollup, Tenant.stripe_customer_id, first_credit.c.since)
         .join(Tenant, Tenant.id == UsageRollup.tenant_id)
         .outerjoin(sums, sums.c.rollup_id == UsageRollup.id)
+        .outerjoin(first_credit, first_credit.c.tenant_id == UsageRollup.tenant_id)
         .where(UsageRollup.hour < cutoff)
         .where(Tenant.stripe_customer_id.is_not(None), Tenant.stripe_customer_id != "")
         .where(
@@ -242,11 +269,13 @@ def _grown_rollups(session: Session, names: Mapping[str, str], *, cutoff: dateti
                 UsageRollup.cached_tokens > accounted("cached_input_tokens"),
                 UsageRollup.completion_tokens > accounted("output_tokens"),
                 UsageRollup.gpu_ms >= accounted("gpu_ms") + 0.5,
+                func.coalesce(UsageRollup.cost_micros, 0) > accounted("cost"),
             )
         )
         .order_by(UsageRollup.hour, UsageRollup.id)
     )
-    return [_Candidate(rollup, customer) for rollup, customer in session.execute(query).tuples() if customer]
+    rows = session.execute(query).tuples()
+    return [_Candidate(rollup, customer, since) for rollup, customer, since in rows if customer]
 
 
 def _plan_chunk(
@@ -270,6 +299,7 @@ def _plan_chunk(
         rollup = candidate.rollup
         timestamp = rollup.hour + EVENT_OFFSET
         too_old = timestamp < oldest
+        unsent = TOO_OLD if too_old else PREPAID if candidate.prepaid else None
         for key, desired in meter_values(rollup).items():
             meter = names[key]
             increase = desired - accounted[rollup.id, meter]
@@ -287,9 +317,9 @@ def _plan_chunk(
                     value=increase,
                     customer=candidate.customer,
                     timestamp=timestamp,
-                    status="skipped" if too_old else "pending",
+                    status="pending" if unsent is None else "skipped",
                     attempts=0,
-                    last_error=TOO_OLD if too_old else None,
+                    last_error=unsent,
                 )
             )
     return planned

@@ -15,9 +15,9 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from billing.models import UsageEvent, UsageRollup, utcnow
-
-BASE_ADAPTER_KEY = "base"
+from billing.micros import MICROS, to_micros
+from billing.models import BASE_ADAPTER_KEY, UsageEvent, UsageRollup, utcnow
+from billing.price_book import PriceHistory
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
             func.sum(UsageEvent.cached_tokens).label("cached_tokens"),
             func.sum(UsageEvent.completion_tokens).label("completion_tokens"),
             func.sum(UsageEvent.gpu_ms).label("gpu_ms"),
+            func.sum(func.round(UsageEvent.cost * MICROS)).label("cost_micros"),  # exact: 6 decimals each
         )
         .where(UsageEvent.started_at >= first, UsageEvent.started_at < last)
         .group_by(UsageEvent.tenant_id, adapter_key, UsageEvent.base_model, hour_expr)
@@ -110,6 +111,7 @@ def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
             select(UsageRollup).where(UsageRollup.hour >= first, UsageRollup.hour < last)
         )
     }
+    unpriced = _unpriced_micros(session, first, last)
     seen: set[str] = set()
     for row in totals:
         hour = as_hour(row.hour)
@@ -121,6 +123,7 @@ def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
             "cached_tokens": int(row.cached_tokens or 0),
             "completion_tokens": int(row.completion_tokens or 0),
             "gpu_ms": float(row.gpu_ms or 0.0),
+            "cost_micros": int(row.cost_micros or 0) + unpriced.get(rid, 0),
         }
         rollup = existing.get(rid)
         if rollup is None:
@@ -133,8 +136,28 @@ def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
         if rid not in seen:  # its events vanished (only by hand): keep the row, exports point at it
             rollup.requests = rollup.prompt_tokens = rollup.cached_tokens = rollup.completion_tokens = 0
             rollup.gpu_ms = 0.0
+            rollup.cost_micros = 0
     session.flush()
     return len(totals)
+
+
+def _unpriced_micros(session: Session, first: datetime, last: datetime) -> dict[str, int]:
+    """Rollup id -> the cost of its rows settled without one (rare: the database was down at admission),
+    at the price history's prices, as billing reconcile bills them."""
+    events = session.scalars(
+        select(UsageEvent).where(
+            UsageEvent.started_at >= first, UsageEvent.started_at < last, UsageEvent.cost.is_(None)
+        )
+    ).all()
+    if not events:
+        return {}
+    history = PriceHistory(session)
+    micros: dict[str, int] = {}
+    for event in events:
+        rid = rollup_id(event.tenant_id, event.adapter_id or BASE_ADAPTER_KEY, event.base_model,
+                        event.started_at)  # fmt: skip
+        micros[rid] = micros.get(rid, 0) + to_micros(history.cost(event) or Decimal(0))
+    return micros
 
 
 def hour_expression(session: Session) -> ColumnElement[Any]:

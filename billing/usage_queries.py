@@ -18,9 +18,9 @@ from typing import Any, Literal, get_args
 from sqlalchemy import ColumnElement, Row, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from billing.models import UsageEvent
+from billing.models import BASE_ADAPTER_KEY, UsageEvent
 from billing.pricing import adapter_names
-from billing.usage import BASE_ADAPTER_KEY, as_hour, hour_expression
+from billing.usage import as_hour, hour_expression
 
 GroupBy = Literal["hour", "adapter", "model"]
 GROUP_BY_VALUES: tuple[str, ...] = get_args(GroupBy)

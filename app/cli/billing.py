@@ -110,7 +110,8 @@ def _print_export(summary: JSON) -> None:
     console.print(
         f"Stripe export from {summary['database']}: {summary['sent']} sent "
         f"({summary['duplicates']} already at Stripe), {summary['failed']} failed, "
-        f"{summary['skipped']} skipped (older than 35 days); {summary['created']} new, "
+        f"{summary['skipped']} skipped (older than 35 days), {summary['prepaid']} not invoiced (prepaid); "
+        f"{summary['created']} new, "
         f"{summary['pending']} still pending.",
         markup=False,
     )

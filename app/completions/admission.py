@@ -156,6 +156,11 @@ class Admission:
         except Exception as error:  # the limiter is away: the refusal stands all the same
             log.debug("counting refused request %s failed: %s", request_id, error)
 
+    @property
+    def max_gpu_ms(self) -> float | None:
+        """The GPU time its hold covers, which the engine must stop it at (None: no bound)."""
+        return None if self.hold is None else self.hold.max_gpu_ms
+
     def headers(self) -> dict[str, str]:
         rate = {} if self.decision is None else self.decision.headers()
         return rate if self.hold is None else {**rate, **self.hold.headers()}

@@ -62,6 +62,7 @@ class _Choice:
     tools: ToolCallStream | None = None  # streamed chat with tools
     calls: int = 0  # tool calls streamed so far
     forced: bool | None = None  # the grammar closed its structured output early (budget): True, else None
+    gpu_limited: bool | None = None  # it ended at the request's GPU-time bound: True, else None
 
 
 class Choices:
@@ -136,6 +137,7 @@ class Choices:
         if out.finish_reason is not None:
             choice.finish = finish_reason(out)
             choice.forced = out.closing_forced or None
+            choice.gpu_limited = out.gpu_limited or None
 
     def final(self) -> list[ChatChoice] | list[CompletionChoice]:
         if self.kind == "completion":
@@ -154,6 +156,7 @@ class Choices:
                         finish_reason=choice.finish,
                         logprobs=logprobs,
                         closing_forced=choice.forced,
+                        gpu_time_limited=choice.gpu_limited,
                     )
                 )
             return completions
@@ -176,6 +179,7 @@ class Choices:
                     finish_reason="tool_calls" if calls else choice.finish,
                     logprobs=self._chat_logprobs(choice.logprobs),
                     closing_forced=choice.forced,
+                    gpu_time_limited=choice.gpu_limited,
                 )
             )
         return chats
@@ -219,6 +223,7 @@ class Choices:
         ended = out.finish_reason is not None
         reason = finish_reason(out) if ended else None
         forced = out.closing_forced or None
+        limited = out.gpu_limited or None
         if self.kind == "completion":
             text, piece = self._completion_piece(choice, out)
             choice.seen = True
@@ -226,7 +231,12 @@ class Choices:
                 return []
             return [
                 CompletionChoice(
-                    index=out.index, text=text, finish_reason=reason, logprobs=piece, closing_forced=forced
+                    index=out.index,
+                    text=text,
+                    finish_reason=reason,
+                    logprobs=piece,
+                    closing_forced=forced,
+                    gpu_time_limited=limited,
                 )
             ]
         choice.seen = True
@@ -241,6 +251,7 @@ class Choices:
                     finish_reason=reason,
                     logprobs=logprobs,
                     closing_forced=forced,
+                    gpu_time_limited=limited,
                 )
             ]
         events = choice.tools.feed(out.text) + (choice.tools.finish() if ended else [])
@@ -264,6 +275,7 @@ class Choices:
                 deltas.append(ChatChunkChoice(index=out.index, delta=ChatDelta(content="")))
             deltas[-1].finish_reason = "tool_calls" if choice.calls else reason
             deltas[-1].closing_forced = forced
+            deltas[-1].gpu_time_limited = limited
         return deltas
 
 

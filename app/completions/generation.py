@@ -163,6 +163,7 @@ class Generation:
             announce=True,  # so a client leaving before its first token still pays for its prefill
             more_prompts=tuple(prompts[1:]),
             tenant=self.principal.tenant_id,  # the engine's fair share of its waiting queue
+            max_gpu_ms=self.admission.max_gpu_ms,  # its hold covers this much GPU time, no more
         )
         choices = Choices(self.kind, shape, prompts, self.target.base.prompts.tokens)
         outputs = self._engine_outputs()

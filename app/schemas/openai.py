@@ -417,6 +417,9 @@ class ChatChoice(BaseModel):
     # Not OpenAI's: present (true) when max_tokens ran low and the grammar steered the structured output to
     # its shortest completion; the output is complete and valid, its free parts maybe cut short.
     closing_forced: bool | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Not OpenAI's: present (true) with finish_reason "length" when the request reached its GPU-time bound
+    # (a budgeted tenant whose prices charge GPU time: budget_max_gpu_seconds), not its max_tokens.
+    gpu_time_limited: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletion(BaseModel):
@@ -457,6 +460,9 @@ class ChatChunkChoice(BaseModel):
     # Not OpenAI's: present (true) when max_tokens ran low and the grammar steered the structured output to
     # its shortest completion; the output is complete and valid, its free parts maybe cut short.
     closing_forced: bool | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Not OpenAI's: present (true) with finish_reason "length" when the request reached its GPU-time bound
+    # (a budgeted tenant whose prices charge GPU time: budget_max_gpu_seconds), not its max_tokens.
+    gpu_time_limited: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -476,6 +482,9 @@ class CompletionChoice(BaseModel):
     # Not OpenAI's: present (true) when max_tokens ran low and the grammar steered the structured output to
     # its shortest completion; the output is complete and valid, its free parts maybe cut short.
     closing_forced: bool | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Not OpenAI's: present (true) with finish_reason "length" when the request reached its GPU-time bound
+    # (a budgeted tenant whose prices charge GPU time: budget_max_gpu_seconds), not its max_tokens.
+    gpu_time_limited: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Completion(BaseModel):

@@ -23,7 +23,7 @@ from billing.models.tier import LIMIT_FIELDS, Tier
 from billing.models.tenant import Tenant, TenantStatus
 from billing.models.api_key import ApiKey
 from billing.models.adapter import PUBLIC_OWNER, Adapter, AdapterVersion
-from billing.models.usage import UsageEvent, UsageRollup
+from billing.models.usage import BASE_ADAPTER_KEY, UsageEvent, UsageRollup
 from billing.models.stripe_export import StripeExport
 from billing.models.engine_report import EngineReport
 from billing.models.stored_response import StoredResponse
@@ -33,6 +33,7 @@ from billing.models.price import PriceChange
 # isort: on
 
 __all__ = [
+    "BASE_ADAPTER_KEY",
     "LIMIT_FIELDS",
     "NAMING_CONVENTION",
     "PERIODS",

@@ -12,6 +12,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from billing.models.base import Base, UTCDateTime, utcnow
 
+BASE_ADAPTER_KEY = "base"  # a rollup's adapter_key for requests to the base model
+
 
 class UsageEvent(Base):
     """One request that reached an engine, as metered: written once (insert-or-ignore on request_id)."""
@@ -59,7 +61,7 @@ class UsageRollup(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(32), index=True)
-    adapter_key: Mapped[str] = mapped_column(String(64))  # an adapter id, or "base"
+    adapter_key: Mapped[str] = mapped_column(String(64))  # an adapter id, or BASE_ADAPTER_KEY
     base_model: Mapped[str] = mapped_column(String(128))
     hour: Mapped[datetime] = mapped_column(UTCDateTime)
     requests: Mapped[int] = mapped_column(BigInteger)
@@ -68,3 +70,6 @@ class UsageRollup(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
     gpu_ms: Mapped[float] = mapped_column(Double)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    # The usage rows' settled costs summed, in micro-units of the tenant's currency (a row settled without
+    # a cost counts at the price history's prices). NULL: not computed since the column came (0008).
+    cost_micros: Mapped[int | None] = mapped_column(BigInteger)

@@ -280,7 +280,8 @@ class LLMEngine:
             log.exception("engine step failed; failing its requests %s", ", ".join(ids))
             return outputs + self.outputs.fail(plan.scheduled, RequestFailed("the engine step failed"))
         self._commit(plan.scheduled, sampling, tokens)
-        return outputs + self.outputs.step_outputs(sampling, tokens, logprobs, prompt_only)
+        outputs += self.outputs.step_outputs(sampling, tokens, logprobs, prompt_only)
+        return outputs + self.outputs.stop_spent(plan.scheduled)  # requests that reached their GPU bound
 
     def _run(
         self, scheduled: list[ScheduledSequence], sampling: list[ScheduledSequence]

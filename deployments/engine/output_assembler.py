@@ -1,9 +1,10 @@
 """OutputAssembler: sampled tokens in, RequestOutputs out — appending, detokenizing, finishing, usage.
 
 It holds each request's choices (a request is the group of its sequences) and each choice's detokenizer from
-admission to its last output. A choice ends on EOS, a stop token or string, its max_tokens or the context;
-the last choice of a request marks the request finished. Every output carries the request's usage so far,
-so a client that leaves mid-stream is billed what the engine had done. A choice that fails fails its group.
+admission to its last output. A choice ends on EOS, a stop token or string, its max_tokens or the context,
+or when its request's GPU time reaches the request's bound (max_gpu_ms); the last choice of a request marks
+the request finished. Every output carries the request's usage so far, so a client that leaves mid-stream
+is billed what the engine had done. A choice that fails fails its group.
 """
 
 import logging
@@ -123,7 +124,31 @@ class OutputAssembler:
         out.token_ids = [token]
         return _annotated(out, logprob)
 
-    def final(self, seq: Sequence, text: str) -> RequestOutput:
+    def stop_spent(self, scheduled: list[ScheduledSequence]) -> list[RequestOutput]:
+        """End each request of this step whose GPU time reached its bound: every choice still running or
+        waiting finishes as LENGTH (gpu_limited), its held-back text flushed. The step that crosses the
+        bound has run already; usage_of charges only up to the bound, so the excess is the platform's."""
+        outputs: list[RequestOutput] = []
+        for group_id in dict.fromkeys(item.seq.group_id for item in scheduled):
+            group = self.groups.get(group_id)
+            bound = None if not group else group[0].max_gpu_ms
+            if group is None or bound is None or sum(s.metrics.gpu_time for s in group) * 1e3 < bound:
+                continue
+            for seq in group:
+                if not seq.is_finished:
+                    outputs.append(self._stop_at_bound(seq))
+        return outputs
+
+    def _stop_at_bound(self, seq: Sequence) -> RequestOutput:
+        detok = self._detokenizers.get(seq.request_id)
+        text = "" if detok is None else detok.finish()
+        reason = FinishReason.LENGTH
+        if detok is not None and detok.stop_reason is not None:  # the flushed text completed a stop string
+            reason, seq.stop_reason = FinishReason.STOP, detok.stop_reason
+        self.scheduler.finish(seq, reason)
+        return self.final(seq, text, gpu_limited=reason is FinishReason.LENGTH)
+
+    def final(self, seq: Sequence, text: str, *, gpu_limited: bool = False) -> RequestOutput:
         """The last output of one choice; the last choice's also ends the request (`finished`)."""
         self._detokenizers.pop(seq.request_id, None)
         group = self.groups.get(seq.group_id, [seq])
@@ -140,6 +165,7 @@ class OutputAssembler:
             error=seq.error,
             index=seq.index,
             closing_forced=seq.matcher is not None and seq.matcher.steered,
+            gpu_limited=gpu_limited,
         )
         return _with_prompt_logprobs(out, seq)
 
@@ -196,6 +222,8 @@ class OutputAssembler:
         first = group[0].metrics
         ends = [s.metrics.finished for s in group]
         end = max(e for e in ends if e is not None) if all(e is not None for e in ends) else now
+        bound = group[0].max_gpu_ms  # charged at most: the step that crossed it ran past it (stop_spent)
+        gpu_ms = gpu * 1e3 if bound is None else min(gpu * 1e3, bound)
         return RequestUsage(
             prompt_tokens=prompt,
             cached_prompt_tokens=cached,
@@ -203,7 +231,7 @@ class OutputAssembler:
             queue_ms=((first.first_scheduled or end) - first.arrival) * 1e3,
             ttft_ms=None if first_token is None else (first_token - first.arrival) * 1e3,
             total_ms=(end - first.arrival) * 1e3,
-            gpu_ms=gpu * 1e3,
+            gpu_ms=gpu_ms,
             preemptions=preemptions,
             replica=self.replica_name,
         )

@@ -8,7 +8,7 @@ from deployments.engine.errors import RequestError
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
+    LENGTH = "length"  # max_tokens, the context limit or the request's GPU-time bound (gpu_limited)
     ABORT = "abort"  # the caller aborted (client disconnect)
     ERROR = "error"  # the engine could not serve it (e.g. adapter failed to load)
 
@@ -23,7 +23,7 @@ class RequestUsage:
     queue_ms: float  # arrival -> first scheduled
     ttft_ms: float | None  # arrival -> first token (None if none was produced)
     total_ms: float  # arrival -> finish
-    gpu_ms: float  # this request's share of each step's device time
+    gpu_ms: float  # this request's share of each step's device time, at most its max_gpu_ms
     preemptions: int
     replica: str | None = None  # the engine replica that served it
 
@@ -63,6 +63,9 @@ class RequestOutput:
     # On a choice's last output: its structured output ran low on max_tokens and the grammar steered it to
     # its shortest completion (GrammarMatcher), so the content is complete but may be cut short.
     closing_forced: bool = False
+    # On a choice's last output (finish_reason LENGTH): the request reached its GPU-time bound
+    # (EngineRequest.max_gpu_ms), not its max_tokens.
+    gpu_limited: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,6 +22,11 @@ class EngineRequest:
     # Whom it is for, an opaque id (the ingress passes the tenant id; None is one more party): while
     # others wait, one party's sequences take at most half of the engine's waiting queue.
     tenant: str | None = None
+    # The most GPU time (ms, all choices together) the request may be charged: the engine ends it with
+    # finish_reason LENGTH (RequestOutput.gpu_limited) after the step that reaches it, and reports at most
+    # this much in its usage (the crossing step's excess is not charged), so a budget hold that includes
+    # it (app/budget_guard.py) is never exceeded. None: no bound.
+    max_gpu_ms: float | None = None
 
     @property
     def prompts(self) -> list[list[int]]:

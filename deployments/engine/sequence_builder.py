@@ -33,6 +33,8 @@ class SequenceBuilder:
             raise InvalidRequest(
                 f"stop_token_ids must be token ids below {self.vocab_size}", param="stop_token_ids"
             )
+        if request.max_gpu_ms is not None and not request.max_gpu_ms > 0:
+            raise InvalidRequest("max_gpu_ms must be positive", param="max_gpu_ms")
         seqs: list[Sequence] = []
         for p, prompt_ids in enumerate(request.prompts):
             if not prompt_ids:
@@ -62,6 +64,7 @@ class SequenceBuilder:
                     generator=generator,
                     cache_salt=request.cache_salt,
                     tenant=request.tenant,
+                    max_gpu_ms=request.max_gpu_ms,
                     # The leader computes the prompt's logprobs; its other choices report them and
                     # prefill from its cached blocks instead of recomputing every position.
                     prompt_logprobs=None if params.prompt_logprobs is None or leader else [None],

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -64,10 +65,11 @@ def serving(
     data_dir: Path,
     wrap: Callable[[ASGIApp], ASGIApp] | None = None,
     store: str | None = None,
+    **settings_overrides: Any,
 ) -> Iterator[Served]:
     """The app over a fresh in-process engine and SQLite database; `wrap` puts ASGI middleware around it;
     `store`: an adapter store URL in place of the setup's local store (the engine reads it through a node
-    cache under data_dir)."""
+    cache under data_dir); `settings_overrides`: Settings fields of the ingress."""
     url = f"sqlite:///{data_dir / 'loraplex.db'}"
     upgrade(url)
     settings = Settings(
@@ -79,6 +81,7 @@ def serving(
         adapter_cache_ttl_s=0.2,
         adapter_store=store or llama.store_root,
         adapter_cache_dir=data_dir / "ingress-cache",
+        **settings_overrides,
     )
     engine = AsyncEngine(
         EngineConfig(
