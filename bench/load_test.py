@@ -30,7 +30,14 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from bench.load.checks import check_leases, check_stripe, check_usage, classify, wait_for_usage
+from bench.load.checks import (
+    check_budgets,
+    check_leases,
+    check_stripe,
+    check_usage,
+    classify,
+    wait_for_usage,
+)
 from bench.load.driver import run_load
 from bench.load.fault_injector import FaultInjector
 from bench.load.options import FAULTS, Interrupted, Options, progress
@@ -158,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             "faults_injected": all(r.ok for r in injector.records.values())
             and all(r.started_at is not None for r in injector.records.values()),
         }
+        # Holds of requests cut short settle at once; one whose ingress was lost lapses at HOLD_TTL_MS.
+        budgets = check_budgets(platform, tenants, timeout=150)
+        invariants["budgets_settled_and_reconciled"] = budgets["ok"]
         stripe: dict[str, Any] | None = None
         if "stripe" in options.faults:
             stripe = check_stripe(platform, platform.database_url)
@@ -199,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             faults=faults,
             usage_rows=len(rows),
             leases=leases.get("tenants"),
+            budgets=budgets["tenants"],
             invariants=invariants,
         )
     except Interrupted as stopped:

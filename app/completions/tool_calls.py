@@ -1,10 +1,13 @@
 """Tool calls: how a request's tools become a grammar or a parser, and how output text becomes calls.
 
 The chat templates we serve (Hermes/Qwen style, see app/modelprep/demo_model.py) ask the model to answer
-a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. With tool_choice "auto" the model is
-free and its text is parsed afterwards; with "required" or a named function, decoding is constrained
-(`StructuredOutput`) to exactly such blocks, which the same parser then reads. Well-formed blocks that
-name a known tool become OpenAI `tool_calls`; anything else stays content.
+a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. With "required" or a named function,
+decoding is constrained (`StructuredOutput`) to exactly such blocks, which the same parser then reads. With
+tool_choice "auto" the model may write free text, and once it writes `<tool_call>` the rest is constrained
+the same way (a triggered grammar): a call, once begun, is a whole call of a listed tool that completes
+within max_tokens, and only further calls (with parallel_tool_calls) may follow it. Where a
+`response_format` is also given, it constrains the output instead and the text is only parsed. Well-formed
+blocks that name a known tool become OpenAI `tool_calls`; anything else stays content.
 
 `ToolCallStream` does the same while streaming, and never lets a block (or the start of one still
 arriving) leak out as content.
@@ -206,7 +209,7 @@ class ToolPlan:
     """What a chat request's tools mean for the engine and for its output."""
 
     tools: list[dict[str, Any]] | None  # for the chat template; None: no tools
-    structured: StructuredOutput | None  # the grammar of required / named tool_choice
+    structured: StructuredOutput | None  # the grammar of the calls (auto: triggered by their opening)
     names: frozenset[str]  # the output is parsed for calls of these; empty: not parsed
 
 
@@ -232,12 +235,14 @@ def plan(body: ChatCompletionRequest) -> ToolPlan:
     if choice == "none":
         return ToolPlan(rendered, None, frozenset())
     names = frozenset(t.function.name for t in tools)
-    if choice is None or choice == "auto":
+    formatted = body.response_format is not None and not isinstance(body.response_format, ResponseFormatText)
+    auto = choice is None or choice == "auto"
+    if auto and formatted:  # the response_format's grammar decides the output
         return ToolPlan(rendered, None, names)
-    if body.response_format is not None and not isinstance(body.response_format, ResponseFormatText):
+    if formatted:
         message = "response_format cannot be combined with a required or named tool_choice"
         raise InvalidParameter(message, param="response_format")
-    if choice == "required":
+    if choice is None or isinstance(choice, str):  # auto or required
         chosen, param, repeat = tools, "tools", body.parallel_tool_calls
     else:
         chosen = [t for t in tools if t.function.name == choice.function.name]
@@ -252,6 +257,7 @@ def plan(body: ChatCompletionRequest) -> ToolPlan:
         begin=BEGIN,
         end=END,
         repeat=repeat,
+        triggered=auto,
         param=param,
     )
     return ToolPlan(rendered, structured, names)

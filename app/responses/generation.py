@@ -7,6 +7,7 @@ response, with `store: false` saying that it was not kept (and the failure logge
 """
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,7 @@ class ResponseGeneration(Generation):
         usage = last.usage
         update: dict[str, Any] = {
             "status": "incomplete" if incomplete else "completed",
+            "completed_at": None if incomplete else int(time.time()),
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None,
             "output": items,
         }

@@ -67,9 +67,13 @@ class ResponseError(BaseModel):
 
 
 class ResponseObject(BaseModel):
+    """Every field the Open Responses specification requires of a response object is present (null or its
+    neutral value where the platform has nothing to say), so strict clients and validators accept it."""
+
     id: str
     object: Literal["response"] = "response"
     created_at: int
+    completed_at: int | None = None
     status: ResponseStatus
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
@@ -90,3 +94,12 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str]
     store: bool
     background: bool = False
+    # Sampling and service fields the served models do not use: their neutral values.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
+    reasoning: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    service_tier: str = "default"
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None

@@ -217,6 +217,8 @@ class ResponseRequest(VllmSampling, ResponsesClientDefaults, _Request):
                         f"input[{number}] has type {str(kind)[:64]!r}; the items served are messages, "
                         "function_call and function_call_output"
                     )
+                if kind == "message" and isinstance(item, dict):
+                    _served_parts(item.get("content"))  # named here: the union's errors would name `str`
         return value
 
     @field_validator("tools", mode="before")

@@ -189,3 +189,61 @@ def check_stripe(platform: Platform, sessions_url: str) -> dict[str, Any]:
         "totals_agree": agree,
         "customers": sorted({c for c, _ in expected}),
     }
+
+
+def check_budgets(platform: Platform, tenants: list[TenantSetup], timeout: float) -> dict[str, Any]:
+    """Each prepaid tenant once the faults are over, as it sees itself (GET /v1/limits): nothing left
+    reserved (a hold whose request was cut short is settled, or lapses at its expiry), the spend the budget
+    backend settled equals its usage rows' costs in the database to the cent, and never exceeds its
+    credit."""
+    from decimal import Decimal
+
+    import httpx
+    from sqlalchemy import func, select
+
+    from billing.db import make_engine, make_session_factory
+    from billing.models import CreditEntry, UsageEvent
+
+    report: dict[str, Any] = {"ok": True, "tenants": {}}
+    engine = make_engine(platform.database_url)
+    try:
+        for tenant in tenants:
+            with make_session_factory(engine)() as session:
+                credit = session.scalar(
+                    select(func.sum(CreditEntry.amount)).where(CreditEntry.tenant_id == tenant.tenant_id)
+                )
+            if credit is None:
+                continue
+            deadline = time.monotonic() + timeout
+            budget: dict[str, Any] = {}
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    answer = httpx.get(f"{platform.url}/v1/limits", timeout=10,
+                                       headers={"authorization": f"Bearer {tenant.key}"})  # fmt: skip
+                    if answer.status_code == 200:
+                        budget = answer.json().get("budget") or {}
+                        if Decimal(budget.get("reserved", "1")) == 0:
+                            break
+                time.sleep(2)
+            month_start = datetime.now(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+            with make_session_factory(engine)() as session:
+                rows_cost = session.scalar(
+                    select(func.coalesce(func.sum(UsageEvent.cost), 0)).where(
+                        UsageEvent.tenant_id == tenant.tenant_id, UsageEvent.started_at >= month_start
+                    )
+                )
+                rows = session.scalar(select(func.count()).where(UsageEvent.tenant_id == tenant.tenant_id))
+            spent = Decimal(budget.get("spent_this_month", "-1"))
+            reserved = Decimal(budget.get("reserved", "-1"))
+            settled = Decimal(str(rows_cost))
+            ok = bool(budget) and reserved == 0 and abs(spent - settled) < Decimal("0.01")
+            ok = ok and Decimal(0) < spent <= Decimal(str(credit))
+            report["tenants"][tenant.name] = {
+                "ok": ok, "credit": str(credit), "spent": str(spent), "rows_cost": str(settled),
+                "usage_rows": rows, "reserved": str(reserved), "balance": budget.get("balance"),
+            }  # fmt: skip
+            report["ok"] = report["ok"] and ok
+    finally:
+        engine.dispose()
+    report["ok"] = report["ok"] and bool(report["tenants"])
+    return report

@@ -31,7 +31,16 @@ TENANTS: tuple[tuple[str, str, dict[str, Any] | None, int, bool], ...] = (
     ("bench-pro", "pro", None, 2, True),  # on_limit=queue: bursts wait up to 5 s
     ("bench-free", "free", None, 2, True),
     ("bench-tight", "bench-tight", {"rpm": 15, "max_concurrent": 2, "on_limit": "reject"}, 1, True),
+    # Prepaid, on a priced tier: every request reserves its worst case and settles through the faults.
+    (
+        "bench-credit",
+        "bench-metered",
+        {"price_input_per_mtok": "20", "price_output_per_mtok": "60"},
+        1,
+        False,
+    ),
 )
+CREDITED = {"bench-credit": "100"}  # USD of prepaid credit: far more than 45 s of load spends
 
 
 def prepare(platform: Platform, config: Path, users: int) -> list[TenantSetup]:
@@ -41,7 +50,7 @@ def prepare(platform: Platform, config: Path, users: int) -> list[TenantSetup]:
     from app.auth.api_keys import generate_key
     from app.demo import prepare as prepare_demo
     from app.settings import Settings
-    from billing import adapter_registry, repository
+    from billing import adapter_registry, credit, repository
     from billing.db import make_engine, make_session_factory, session_scope
     from billing.models import PUBLIC_OWNER
 
@@ -70,6 +79,9 @@ def prepare(platform: Platform, config: Path, users: int) -> list[TenantSetup]:
             key = generate_key(settings.resolved_key_secret())
             repository.create_api_key(session, tenant_id=tenant.id, prefix=key.prefix, key_hash=key.hash,
                                       name="load-test")  # fmt: skip
+            if name in CREDITED:
+                credit.add_credit(session, tenant_id=tenant.id, amount=CREDITED[name], kind="topup",
+                                  reason="load test", actor="load-test")  # fmt: skip
             tenants.append(TenantSetup(name, tier, tenant.id, key.plaintext, n_users, limited))
         sql_adapter = adapter_registry.find_live(session, owner=PUBLIC_OWNER, name="demo-sql")
         adapter_id = None if sql_adapter is None else sql_adapter.id

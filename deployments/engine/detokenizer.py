@@ -76,6 +76,15 @@ class IncrementalDetokenizer:
         """The stop string that ended generation (from add_token or finish), or None."""
         return self._stop_reason
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stop)
+
+    def drop_stops(self) -> None:
+        """From the next token on no stop string counts (a structured part of the output has begun, which
+        none may cut); text held back for one comes out with the next delta."""
+        self._stop, self._stop_starts, self._max_hold = (), frozenset(), 0
+
     def add_token(self, token_id: int) -> DetokenizerDelta:
         if self._done:
             return DetokenizerDelta("", self._stop_reason)

@@ -4,7 +4,9 @@ The only engine module that imports the grammar library, llguidance (chosen by b
 see docs/decisions.md): it rejects the JSON Schema keywords it cannot enforce instead of ignoring them,
 and every output decoded under its mask validated. The output is compact JSON (no whitespace between
 JSON tokens, "," and ":" separators), optionally as begin + JSON + end, and with `repeat` one or more such
-blocks separated by "\\n". Once the grammar is complete, only the stop (EOS) tokens are allowed.
+blocks separated by "\\n". With `triggered` (tool_choice "auto"), any text, or text then the block(s): the
+text is a lazy lexeme ended by the first `begin`, so the grammar commits to a block there (llguidance's own
+pattern for tool calls in running text). Once the grammar is complete, only the stop (EOS) tokens are allowed.
 
 Use: `GrammarCompiler.lookup(spec, tenant)` (cheap: the cache) then `compile(spec, tenant)` (blocking,
 thread-safe) off the engine loop thread; per request `compiled.matcher()`; per step
@@ -34,7 +36,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from deployments.engine.errors import InvalidRequest
 from deployments.engine.grammar_cache import GrammarCache, Tenant
-from deployments.engine.grammar_closing import Closer, Lexical
+from deployments.engine.grammar_closing import Closer, Lexical, Trigger
 from deployments.engine.sampling_params import StructuredOutput
 
 LIBRARY = "llguidance"
@@ -76,7 +78,7 @@ _PROBE_BYTES = b'{["-0123456789tfn}],:'
 STEP_BRANCHES = 8  # alternatives a closing walk compares during a request (Closer.max_branches at compile)
 _ROW_ERROR = re.compile(r"Current row has (\d+) items; max is (\d+)")
 _ERROR_PREFIX = re.compile(r"^at \d+\(\d+\): ")
-_CacheKey = tuple[str, str, str, bool]
+_CacheKey = tuple[str, str, str, bool, bool]
 
 
 class GrammarRefused(InvalidRequest):
@@ -102,9 +104,14 @@ class GrammarMatcher:
     need all that is left, the mask allows only the closing's next token (`fill_mask`); and a sampled token
     after which the output could no longer finish in time is taken back for the closing's next one (`take`).
     So an output whose request had at least `CompiledGrammar.min_tokens` always completes.
+
+    A triggered grammar's free text is not steered (it may end anywhere, by length as well): the closing is
+    kept from the token that writes the first block's opening on (`free` until then). A block opened with
+    too little left to complete is not begun: that token is taken back for the stop token.
     """
 
     __slots__ = (
+        "_block",
         "_closer",
         "_lexical",
         "_matcher",
@@ -112,6 +119,7 @@ class GrammarMatcher:
         "_stop",
         "_stop_ids",
         "_terminated",
+        "_trigger",
         "_words",
         "steered",
     )
@@ -123,6 +131,8 @@ class GrammarMatcher:
         words: int,
         closer: Closer | None = None,
         plan: list[int] | None = None,
+        trigger: Trigger | None = None,
+        block: list[int] | None = None,
     ) -> None:
         self._matcher = matcher
         self._stop_ids = stop_ids
@@ -132,6 +142,8 @@ class GrammarMatcher:
         self._closer = closer
         self._lexical = Lexical()
         self._plan = plan if closer is not None else None
+        self._trigger = trigger if closer is not None else None  # set: free text, before the opening
+        self._block = block  # the closing from just after the opening (known at compile time)
         self.steered = False  # the budget forced a closing token at least once
 
     def fill_mask(self, bitmask: torch.Tensor, row: int, left: int | None = None) -> None:
@@ -176,6 +188,8 @@ class GrammarMatcher:
         Returns the token taken (the one sampled, or the closing's next one when the sampled one would leave
         the output unable to finish in `left`), None if the grammar refuses it."""
         closer = self._closer
+        if self._trigger is not None and closer is not None:
+            return self._take_free(closer, self._trigger, token_id, left)
         if closer is None or left is None or token_id in self._stop_ids:
             return token_id if self.accept(token_id) else None
         plan, lexical = self._plan, self._lexical
@@ -196,6 +210,30 @@ class GrammarMatcher:
             return None
         self._advance(closer, plan[0], plan)
         return plan[0]
+
+    def _take_free(self, closer: Closer, trigger: Trigger, token_id: int, left: int | None) -> int | None:
+        """`take` in the free text before a triggered grammar's first block: the token sampled, unless it
+        writes the block's opening with too little left for the block to complete; the text then ends
+        before that token (the stop token in its place)."""
+        if not self.accept(token_id):
+            return None
+        if token_id in self._stop_ids:
+            return token_id
+        self._trigger, rest = trigger.after(closer.token_bytes(token_id))
+        if rest is None:
+            return token_id
+        self._trigger, self._lexical = None, Lexical().after(rest)
+        known = self._block if not rest else None  # the common case: the token ends with the opening
+        if known is not None and self._finishes(known):
+            self._plan = list(known)
+        else:
+            self._plan = closer.closing(self._matcher, self._lexical, branches=STEP_BRANCHES)
+        if left is None or self._plan is None or len(self._plan) + 1 <= left:
+            return token_id
+        self._matcher.rollback(1)
+        self._trigger, self._lexical, self._plan = trigger, Lexical(), None
+        self.steered = True
+        return self._stop if self.accept(self._stop) else None
 
     def _advance(self, closer: Closer, token_id: int, plan: list[int] | None) -> None:
         """Follow `token_id` (consumed) in the lexical state and the closing. Before walking anew, the
@@ -227,6 +265,12 @@ class GrammarMatcher:
         return None if self._plan is None else len(self._plan)
 
     @property
+    def free(self) -> bool:
+        """In a triggered grammar's free text (no block begun): the output may still end anywhere, as an
+        unconstrained one would (stop strings included)."""
+        return self._trigger is not None
+
+    @property
     def terminated(self) -> bool:
         """A stop token was accepted: the grammar was complete and the output is done."""
         return self._terminated
@@ -252,9 +296,21 @@ class CompiledGrammar:
 
     `min_tokens`: the fewest output tokens (the stop token included) in which this grammar's closing from
     its start is known to complete; a request with a smaller max_tokens cannot be served (None: unknown, the
-    request is then not steered)."""
+    request is then not steered). A triggered grammar's is 1: its free text may end at once.
 
-    __slots__ = ("_closer", "_opening", "_stop_ids", "_template", "_words", "min_tokens")
+    `trigger`: a triggered grammar's opening (its `begin`); `opened`, a copy of the template past it, from
+    which the closing of a block just begun is walked once, here."""
+
+    __slots__ = (
+        "_block",
+        "_closer",
+        "_opening",
+        "_stop_ids",
+        "_template",
+        "_trigger",
+        "_words",
+        "min_tokens",
+    )
 
     def __init__(
         self,
@@ -262,6 +318,8 @@ class CompiledGrammar:
         stop_ids: frozenset[int],
         words: int,
         closer: Closer | None = None,
+        trigger: bytes | None = None,
+        opened: llguidance.LLMatcher | None = None,
     ) -> None:
         self._template = template  # a matcher at the start, never advanced: each request copies it
         self._stop_ids = stop_ids
@@ -269,11 +327,23 @@ class CompiledGrammar:
         self._closer = closer
         self._opening = closer.closing(template, Lexical()) if closer is not None else None
         self.min_tokens = None if self._opening is None else len(self._opening) + 1
+        self._trigger = trigger
+        self._block = closer.closing(opened, Lexical()) if closer is not None and opened is not None else None
 
     def matcher(self) -> GrammarMatcher:
         """A fresh per-request state (a copy of the compiled start state: no compilation)."""
         closer = self._closer if self._opening is not None else None
         plan = list(self._opening) if self._opening is not None else None
+        if self._trigger is not None:
+            return GrammarMatcher(
+                self._template.deep_copy(),
+                self._stop_ids,
+                self._words,
+                closer,
+                None,  # nothing to close in free text
+                Trigger(self._trigger),
+                self._block,
+            )
         return GrammarMatcher(self._template.deep_copy(), self._stop_ids, self._words, closer, plan)
 
 
@@ -325,7 +395,7 @@ class GrammarCompiler:
     @staticmethod
     def key(spec: StructuredOutput) -> _CacheKey:
         """What makes two specs one grammar (`param` only names errors)."""
-        return (spec.json_schema, spec.begin, spec.end, spec.repeat)
+        return (spec.json_schema, spec.begin, spec.end, spec.repeat, spec.triggered)
 
     def lookup(self, spec: StructuredOutput, tenant: Tenant = None) -> CompiledGrammar | None:
         """The tenant's cached grammar for `spec`, None if it must be compiled; raises GrammarRefused for a
@@ -383,12 +453,22 @@ class GrammarCompiler:
             lark = _lark(spec)
         except ValueError as error:
             return _Refusal(_message(str(error)), "schema")
-        template = llguidance.LLMatcher(self._llg_tokenizer(), lark, log_level=0, limits=_LIMITS)
-        failure = template.get_error() if template.is_error() else self._probe_opening(template)
+        tokenizer = self._llg_tokenizer()
+        template = llguidance.LLMatcher(tokenizer, lark, log_level=0, limits=_LIMITS)
+        opened = None
+        if spec.triggered and not template.is_error():
+            # Free text is no schema's business: the schema's opening is probed just past `begin`.
+            opened = template.deep_copy()
+            opened.consume_tokens(tokenizer.tokenize_str(spec.begin))
+        start = opened if opened is not None else template
+        failure = start.get_error() if start.is_error() else self._probe_opening(start)
         if failure is not None:
             return _Refusal(_message("the JSON schema cannot be enforced: " + _reason(failure)), "schema")
         closer = self._closer if Closer.supports(spec.begin, spec.end) else None
-        return CompiledGrammar(template, frozenset(self.stop_token_ids), self._words, closer)
+        if spec.triggered and closer is None:  # its free text's end could not be found: never asked for
+            return _Refusal(_message("a triggered grammar's begin and end cannot hold quotes"), "schema")
+        trigger = spec.begin.encode() if spec.triggered else None
+        return CompiledGrammar(template, frozenset(self.stop_token_ids), self._words, closer, trigger, opened)
 
     def _probe_opening(self, template: llguidance.LLMatcher) -> str | None:
         """Why the grammar would fail a request at its first free token, if it would: a copy takes the
@@ -435,6 +515,15 @@ def _lark(spec: StructuredOutput) -> str:
         f"block: {block}",
         f"json: %json {json.dumps(schema, ensure_ascii=False)}",
     ]
+    if spec.triggered:  # text alone, or text up to the first begin (lazy: it ends there) and the blocks
+        begin, end = json.dumps(spec.begin, ensure_ascii=False), json.dumps(spec.end, ensure_ascii=False)
+        rules[:2] = [
+            'start: TEXT | opened ("\\n" block)*' if spec.repeat else "start: TEXT | opened",
+            f"opened: head json {end}",
+            f"head[lazy]: TEXT {begin}",
+            f"TEXT: ~(/(?s:.*)/ {begin} /(?s:.*)/)",
+            f"block: {block}",
+        ]
     return "\n".join(rules) + "\n"
 
 

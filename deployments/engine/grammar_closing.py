@@ -21,6 +21,8 @@ grammar once.
 The walk needs to know whether the output stands inside a JSON string (where "}" is text, not a closer):
 `Lexical` follows the quotes and escapes of the bytes produced so far. That is only sound when the begin and
 end texts around the JSON hold no quote or backslash (the tool-call tags do not); `Closer.supports` says so.
+Free text before a triggered grammar's first block is not followed (its quotes are text): `Trigger` watches
+it for the block's opening, and `Lexical` starts fresh there.
 """
 
 from dataclasses import dataclass
@@ -52,6 +54,24 @@ class Lexical:
             elif byte == _QUOTE:
                 in_string = not in_string
         return Lexical(in_string, escaped)
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    """Free text's watch for the opening of a triggered grammar's first block (tool_choice "auto"). The
+    grammar commits to the block at the opening's first occurrence, and so does this: `after` returns the
+    bytes that follow it (the block's first bytes) once it is written, None before. `held` is the text's last
+    len(opening) - 1 bytes: an opening split across tokens begins there."""
+
+    opening: bytes
+    held: bytes = b""
+
+    def after(self, data: bytes) -> "tuple[Trigger, bytes | None]":
+        window = self.held + data
+        at = window.find(self.opening)
+        if at >= 0:
+            return self, window[at + len(self.opening) :]
+        return Trigger(self.opening, window[max(0, len(window) - len(self.opening) + 1) :]), None
 
 
 class Closer:

@@ -47,7 +47,8 @@ class OutputAssembler:
                 seq.prompt_ids,
                 # A structured output ends where its grammar completes: a stop string never cuts it (none
                 # could match after it either, as only the stop token may follow the completed match).
-                stop=seq.params.stop if seq.params.structured is None else (),
+                # A triggered one's free text stops as any text does, until its first block begins.
+                stop=seq.params.stop if _free(seq) else (),
                 skip_special_tokens=seq.params.skip_special_tokens,
                 min_tokens=seq.params.min_tokens,
             )
@@ -91,9 +92,12 @@ class OutputAssembler:
         reason: FinishReason | None = None
         delta_stop: str | int | None = None
         text = ""
+        free = _free(seq)
+        if not free and detok.has_stops:  # a triggered grammar's block began with this token
+            detok.drop_stops()
         if token in self.eos_token_ids and not params.ignore_eos:
             reason = FinishReason.STOP
-        elif token in params.stop_token_ids and params.structured is None:  # as stop strings, above
+        elif token in params.stop_token_ids and free:  # as stop strings, above
             reason, seq.stop_reason = FinishReason.STOP, token
         else:
             delta = detok.add_token(token)
@@ -203,6 +207,15 @@ class OutputAssembler:
             preemptions=preemptions,
             replica=self.replica_name,
         )
+
+
+def _free(seq: Sequence) -> bool:
+    """Whether stop strings and ids may end the output now: it is not structured, or is in the free text
+    before a triggered grammar's first block (tool_choice "auto" before a call)."""
+    structured = seq.params.structured
+    if structured is None:
+        return True
+    return structured.triggered and (seq.matcher is None or seq.matcher.free)
 
 
 def _annotated(out: RequestOutput, logprob: TokenLogprob | None) -> RequestOutput:

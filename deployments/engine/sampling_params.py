@@ -22,13 +22,17 @@ class StructuredOutput:
     With `begin`/`end` the JSON sits between those literal texts (a tool call: `<tool_call>` ...
     `</tool_call>`); with `repeat`, one or more such blocks follow each other, one per line (parallel tool
     calls). JSON is compact (no free whitespace between tokens), so a model cannot spend its max_tokens on
-    blanks. Compiled grammars are cached by this value: equal specs compile once per engine.
+    blanks. With `triggered`, free text comes first and the blocks are optional: nothing is constrained
+    until the output writes `begin`, and from there on it is the blocks and nothing else (tool_choice
+    "auto": a call, once begun, completes). Compiled grammars are cached by this value: equal specs compile
+    once per engine.
     """
 
     json_schema: str  # a JSON Schema document as text; '{"type": "object"}' for json_object
     begin: str = ""
     end: str = ""
     repeat: bool = False
+    triggered: bool = False  # free text first; constrained from the first `begin` on
     param: str = "response_format"  # the request field that asked for it, named in errors
 
     def __post_init__(self) -> None:
@@ -38,8 +42,9 @@ class StructuredOutput:
                 " are accepted",
                 param=self.param,
             )
-        if self.repeat and not (self.begin and self.end):
-            raise InvalidSamplingParams("repeated blocks need begin and end texts", param=self.param)
+        if (self.repeat or self.triggered) and not (self.begin and self.end):
+            what = "repeated" if self.repeat else "triggered"
+            raise InvalidSamplingParams(f"{what} blocks need begin and end texts", param=self.param)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,12 @@
 """With `admin_listen` set, /admin lives on its own listener (which operators can firewall) and the tenant
-port no longer serves it; several ingress replicas of a node share that address."""
+port no longer serves it; several ingress replicas of a node share that address. In a replica it serves on
+the loop the tenant app runs on: the two share clients bound to that loop."""
+
+import asyncio
+import threading
 
 import httpx
+from fastapi import FastAPI
 
 from app.admin_listener import AdminListener, parse_address
 from app.main import create_app
@@ -49,3 +54,30 @@ def test_admin_listen_must_be_host_and_port() -> None:
         except ValueError:
             continue
         raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_it_serves_on_the_loop_that_starts_it() -> None:
+    """As in an ingress replica (whose constructor runs on Serve's user-code loop): the admin routes run on
+    that loop and thread, so clients bound to it (redis.asyncio pools, Serve handles) are never used from a
+    second loop in another thread."""
+    app = FastAPI()
+
+    @app.get("/where")
+    async def where() -> dict[str, int]:
+        return {"loop": id(asyncio.get_running_loop()), "thread": threading.get_ident()}
+
+    async def scenario() -> None:
+        listener = AdminListener(app, "127.0.0.1:0").start()
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{listener.port}") as client:
+                answer = (await client.get("/where", timeout=10)).json()
+            assert answer == {"loop": id(asyncio.get_running_loop()), "thread": threading.get_ident()}
+        finally:
+            listener.stop()
+            for _ in range(100):  # uvicorn's shutdown runs on this loop
+                if not listener.server.servers[0].is_serving():
+                    break
+                await asyncio.sleep(0.05)
+            assert not listener.server.servers[0].is_serving()
+
+    asyncio.run(scenario())

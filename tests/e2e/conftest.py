@@ -10,7 +10,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,18 @@ from tests.app.conftest import ADMIN_KEY, free_port
 from tests.ci import is_ci
 from tests.conftest import POSTGRES_ADMIN_URL
 from tests.model_fixtures import TinySetup
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep each phase's report on the test (item.rep_setup, .rep_call): fixtures that print diagnostics
+    when a test failed read them."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
 
 APP_NAME = "loraplex"
 T = TypeVar("T")

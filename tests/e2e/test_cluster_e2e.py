@@ -119,8 +119,13 @@ class Node:
                 continue
         return found
 
-    def kill(self) -> int:
-        """SIGKILL every process of this node at once, as a machine that is lost."""
+    def kill(self, first: int | None = None) -> int:
+        """SIGKILL every process of this node, as a machine that is lost: `first` (the engine replica
+        streaming, say) before scanning for the rest, which takes a while on a loaded host (on a fast CPU the
+        stream would otherwise be over by then)."""
+        if first is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first, signal.SIGKILL)
         pids = self.pids()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -332,6 +337,21 @@ def cluster(tiny_setups: dict[str, TinySetup]) -> Iterator[Cluster]:
         yield cluster
 
 
+@pytest.fixture(autouse=True)
+def _serve_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed cluster test prints the tails of the ingress and engine replicas' Serve logs and of the
+    nodes' `ray start` output: the cluster's directory is gone by the time anyone reads the CI log."""
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if "cluster" not in request.fixturenames or report is None or not report.failed:
+        return
+    cluster: Cluster = request.getfixturevalue("cluster")
+    logs = sorted((cluster.root / "ray" / "session_latest").glob("logs/serve/replica_loraplex_*.log"))
+    for log in [*logs, *(node.log for node in cluster.nodes.values())]:
+        tail = log.read_text(errors="replace").splitlines()[-40:]
+        print(f"--- {log.name} (last {len(tail)} lines)", *tail, sep="\n")
+
+
 def _environment(own: dict[str, str]) -> dict[str, str]:
     """This process's environment without what an earlier test left for its own app or cluster."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("LORAPLEX_", "AWS_", "RAY_"))}
@@ -482,7 +502,7 @@ def test_engine_node_lost_mid_stream(cluster: Cluster, uploaded: Uploaded) -> No
                 events.append(json.loads(line[6:]))
                 if len(events) == 3:
                     killed_at = time.monotonic()
-                    assert cluster.nodes["b"].kill() > 3  # raylet, agents, workers
+                    assert cluster.nodes["b"].kill(first=before["pid"]) > 3  # raylet, agents, workers
     assert killed_at is not None and len(events) < LONG // 2, "the stream ended before node B was lost"
     error = events[-1].get("error")
     assert error is not None and error["code"] == "engine_unavailable", events[-1]

@@ -1,7 +1,8 @@
 """The load test (bench/load_test.py) with every fault, as an operator runs it: `serve run` on a fresh data
 dir, mixed tenants and adapters, streamed and not, while an engine replica and the Metering replica are
 killed, the database and Redis go away for a while and Stripe fails under `loraplex billing export`.
-Nothing may be lost or doubled, no lease may leak, and the platform must recover by itself.
+Nothing may be lost or doubled, no lease or budget hold may leak, a prepaid tenant's spend must match its
+usage rows, and the platform must recover by itself.
 
 Bounded: 45 s of load; setup, recovery and the checks take a few minutes more on a small, busy machine.
 """
@@ -71,3 +72,6 @@ def test_load_with_every_fault_loses_and_doubles_nothing(tmp_path: Path) -> None
     assert set(report["status_counts"]) <= {"200", "429", "503"}
     assert report["usage_rows"] >= outcomes["ok"]
     assert all(c["leases"] == 0 and c["queued"] == 0 for c in report["leases"].values())
+    # The prepaid tenant was served through every fault, its holds all settled, its spend in the budget
+    # backend equals its usage rows' costs (invariant budgets_settled_and_reconciled).
+    assert report["budgets"]["bench-credit"]["usage_rows"] > 0, report["budgets"]
