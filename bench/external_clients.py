@@ -227,14 +227,31 @@ def run_aiperf(load: Load, venv: Path, run: int) -> dict[str, Any]:
         "--isl", str(load.prompt_tokens), "--isl-stddev", "0",
         "--osl", str(load.output_tokens), "--osl-stddev", "0",
         "--extra-inputs", "ignore_eos:true",
-        "--tokenizer", str(load.model_dir),
+        "--tokenizer", hub_cache_entry(load.model_dir, load.work / "hf-cache"),
         "--artifact-dir", str(out),
         "--ui", "none",
         "--no-gpu-telemetry", "--no-server-metrics",
     ]  # fmt: skip
     out.mkdir()
-    wall, cpu = run_tool(command, {}, out / "log.txt", 900)
+    wall, cpu = run_tool(command, {"HF_HUB_CACHE": str(load.work / "hf-cache")}, out / "log.txt", 900)
     return aiperf_summary(out, wall, cpu)
+
+
+def hub_cache_entry(model_dir: Path, cache: Path) -> str:
+    """The model directory as the cached snapshot of a made-up hub repo in `cache`; its repo id.
+
+    Offline, AIPerf loads a tokenizer only from the hub cache: a directory's path is looked up there as a
+    repo id and refused (HFValidationError). Online it would take the path, but then nothing keeps it off
+    the hub. So the cache gets one entry whose snapshot is a link to the directory: offline, and no copy.
+    """
+    storage = cache / f"models--loraplex--{model_dir.name}"
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    (storage / "snapshots").mkdir(exist_ok=True)
+    snapshot = storage / "snapshots" / "local"
+    if not snapshot.is_symlink():
+        snapshot.symlink_to(model_dir, target_is_directory=True)
+    (storage / "refs" / "main").write_text("local")  # the revision AIPerf asks for, resolved here
+    return f"loraplex/{model_dir.name}"
 
 
 def aiperf_summary(out: Path, wall: float, cpu: float) -> dict[str, Any]:

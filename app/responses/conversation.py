@@ -118,6 +118,10 @@ class Conversation:
                 choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
             )
         fmt = body.text.format if body.text is not None else None
+        if body.tools and choice is not None and choice not in ("none", "auto"):
+            # A forced call's output is the call, never text, so the text format has nothing to shape in
+            # this turn (the Agents SDK sends both: an output type and a tool_choice it resets after a call).
+            fmt = None
         if isinstance(fmt, FormatJsonObject):
             fields["response_format"] = {"type": "json_object"}
         elif isinstance(fmt, FormatJsonSchema):

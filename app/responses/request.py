@@ -16,7 +16,7 @@ from pydantic import (
     field_validator,
 )
 
-from app.schemas.extensions import MAX_TOKENS_BOUND, VllmSampling
+from app.schemas.extensions import MAX_TOKENS_BOUND, ResponsesClientDefaults, VllmSampling
 from app.schemas.openai import (
     MAX_ARGUMENTS_CHARS,
     MAX_DESCRIPTION_CHARS,
@@ -170,8 +170,9 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
-# vLLM's extensions too, with their meaning on chat (GuideLLM sends ignore_eos here).
-class ResponseRequest(VllmSampling, _Request):
+# vLLM's extensions too, with their meaning on chat (GuideLLM sends ignore_eos here), and the fields the
+# OpenAI SDK and the Agents SDK send on their own.
+class ResponseRequest(VllmSampling, ResponsesClientDefaults, _Request):
     model: str = Field(min_length=1, max_length=256, description="A base model or one of your adapters.")
     input: str | list[InputItem] = Field(description="Text, or a list of messages and function call items.")
     instructions: str | None = Field(

@@ -132,6 +132,9 @@ def _created(body: ResponseRequest, request_id: str) -> ResponseObject:
         user=body.user,
         metadata=body.metadata or {},
         store=body.store,
+        top_logprobs=body.top_logprobs or 0,  # echoed as OpenAI does; no-ops here (app/schemas/extensions.py)
+        safety_identifier=body.safety_identifier,
+        prompt_cache_key=body.prompt_cache_key,
     )
 
 

@@ -103,6 +103,66 @@ class ChatClientDefaults(ClientDefaults):
             raise ValueError("the served models do not reason; leave reasoning_effort out")
 
 
+# What `include` may ask for; each names an item the platform never produces (no built-in tools, image
+# inputs or reasoning), so asking is a no-op. Logprobs would be a silent drop, so they are refused.
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+MAX_INCLUDE = 16
+
+
+class Reasoning(BaseModel):
+    """A reasoning setting that asks for no reasoning (what the Agents SDK may pass through)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none"] | None = None
+    summary: None = None
+    generate_summary: None = None
+
+    @field_validator("effort", "summary", "generate_summary", mode="before")
+    @classmethod
+    def _no_reasoning(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError("the served models do not reason; leave reasoning effort and summary out")
+        return value
+
+
+class ResponsesClientDefaults(ClientDefaults):
+    """What Responses clients add: the Agents SDK sends `include` (empty) on every call, and passes
+    `top_logprobs` and `reasoning` from its model settings."""
+
+    include: list[Includable] | None = Field(
+        default=None,
+        max_length=MAX_INCLUDE,
+        description="No-op for what is never produced here (built-in tool results, images, reasoning); "
+        "'message.output_text.logprobs' is refused (logprobs are served on chat completions).",
+    )
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(
+        default=None, description="No-op: logprobs are returned only when included, which is refused."
+    )
+    reasoning: Reasoning | None = Field(
+        default=None, description="Only without effort or summary: the served models do not reason."
+    )
+
+    @field_validator("include")
+    @classmethod
+    def _no_logprobs(cls, value: list[str] | None) -> list[str] | None:
+        if value and "message.output_text.logprobs" in value:
+            raise ValueError(
+                "message.output_text.logprobs is not served on /v1/responses; chat completions return "
+                "logprobs"
+            )
+        return value
+
+
 def sampling_extensions(
     fields: VllmSampling, *, vocab_size: int, max_tokens: int | None, structured: bool
 ) -> dict[str, Any]:

@@ -145,3 +145,44 @@ def test_vllms_extensions_reach_the_chat_request_and_are_bounded() -> None:
     assert (chat.ignore_eos, chat.min_tokens, chat.stop_token_ids, chat.top_k) == (True, 3, [7], 5)
     with pytest.raises(ValidationError):
         request(input="hi", min_tokens=-1)
+
+
+def test_the_fields_sdks_send_on_their_own_are_accepted_and_change_nothing() -> None:
+    plain = request(input="hi")
+    body = request(
+        input="hi",
+        include=[],  # the Agents SDK sends it on every call
+        service_tier="auto",
+        prompt_cache_key="k",
+        top_logprobs=0,
+        reasoning={"effort": None, "summary": None},
+    )
+    chat = Conversation([], with_ids(body.items())).chat_request(body)
+    assert chat == Conversation([], with_ids(plain.items())).chat_request(plain)
+    request(input="hi", include=["reasoning.encrypted_content"], reasoning={"effort": "none"})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"include": ["message.output_text.logprobs"]},  # would be dropped silently: logprobs are not served
+        {"include": ["everything"]},
+        {"reasoning": {"effort": "high"}},
+        {"reasoning": {"summary": "auto"}},
+        {"conversation": "conv_1"},  # not served: an unknown field stays a 400
+    ],
+)
+def test_what_sdks_may_send_but_is_not_served_fails_validation(fields: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        request(input="hi", **fields)
+
+
+def test_a_forced_call_leaves_the_text_format_for_the_turn_after_it() -> None:
+    """The Agents SDK sends an agent's output type beside the tool_choice that forces its first call."""
+    tools = [{"type": "function", "name": "f"}]
+    fmt = {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}}
+    for forced in ({"type": "function", "name": "f"}, "required"):
+        body = request(input="hi", tools=tools, tool_choice=forced, text=fmt)
+        assert Conversation([], with_ids(body.items())).chat_request(body).response_format is None
+    after = request(input="hi", tools=tools, tool_choice="auto", text=fmt)
+    assert Conversation([], with_ids(after.items())).chat_request(after).response_format is not None

@@ -210,6 +210,29 @@ def test_sdk_default_fields_are_accepted(account: Account) -> None:
     assert text.choices[0].text is not None
 
 
+def test_responses_take_what_the_sdks_send_and_echo_it(account: Account) -> None:
+    """The Agents SDK sends include (empty) on every call, and its model settings' top_logprobs and
+    reasoning; the OpenAI SDK's own fields as on chat. Echoed in the response as OpenAI does."""
+    reply = account.client.responses.create(
+        model=MODEL,
+        input="Name three colours.",
+        max_output_tokens=2,
+        include=[],
+        top_logprobs=0,
+        reasoning={"effort": None},
+        service_tier="auto",
+        prompt_cache_key="conversation-1",
+        safety_identifier="user-1",
+        store=False,
+    )
+    assert reply.usage is not None and reply.usage.output_tokens <= 2
+    assert (reply.prompt_cache_key, reply.safety_identifier, reply.top_logprobs) == (
+        "conversation-1",
+        "user-1",
+        0,
+    )
+
+
 REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("stop id past the vocabulary", {"stop_token_ids": [1 << 30]}, "stop_token_ids"),
     ("negative stop id", {"stop_token_ids": [-1]}, "stop_token_ids"),

@@ -1,6 +1,7 @@
 """The Responses API on Ray Serve, through the OpenAI SDK: create (base model and adapter), stream with
 the SDK's helpers, tools and structured output on the chat path's grammar, stored responses (retrieve,
-input items, delete, continue), tenant isolation, truncation, refusals by name, one usage row each."""
+input items, delete, continue), tenant isolation, truncation, refusals by name, one usage row each; a
+stream whose engine replica is killed mid-generation ends with `error` and `response.failed`."""
 
 import json
 import time
@@ -10,6 +11,7 @@ from typing import Any, Literal
 import httpx
 import jsonschema
 import pytest
+import ray
 from openai import BadRequestError, NotFoundError, OpenAI
 from openai.types.responses import FunctionToolParam
 from pydantic import BaseModel, Field
@@ -340,3 +342,67 @@ def test_every_response_is_billed_once_a_left_stream_too(
         )
     aborted = rows[f"req_{left[5:]}"]
     assert aborted.status == "aborted" and 1 <= aborted.completion_tokens < 400
+
+
+def engine_replicas(model: str) -> dict[str, str]:
+    """The model's engine replica actors: name -> namespace."""
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"]: a["namespace"] for a in actors if f"#engine-{model}#" in a["name"]}
+
+
+def test_a_stream_whose_replica_is_killed_ends_failed_and_is_billed_once(serve_app: ServeApp) -> None:
+    """A real failure mid-stream: the engine replica generating the response is killed (tiny-qwen2's, so
+    this module's other tests keep theirs). The client has text already, so nothing is retried: the stream
+    ends with `error` and `response.failed` in OpenAI's shape, and what ran is billed once, as failed."""
+    model = "tiny-qwen2"
+    victims = engine_replicas(model)
+    assert victims
+    _, key = serve_app.new_tenant(f"responses-killed-{uuid.uuid4().hex[:8]}", tier="enterprise")
+    # ignore_eos: the random model cannot end the stream between the kill and its taking effect.
+    body = {
+        "model": model,
+        "input": "a long one",
+        "max_output_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {key}"}
+    events: list[dict[str, Any]] = []
+    kinds: list[str] = []
+    with httpx.stream("POST", f"{serve_app.url}/v1/responses", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(json.loads(line[6:]))
+            kinds.append(events[-1]["type"])
+            if kinds == STREAM_ORDER[:5]:
+                for name, namespace in victims.items():  # the first text is out: kill what makes it
+                    ray.kill(ray.get_actor(name, namespace=namespace))
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds[:5] == STREAM_ORDER[:5] and deltas < 900, kinds[-3:]
+    assert kinds[-2:] == ["error", "response.failed"], kinds[-3:]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    error, failed = events[-2], events[-1]["response"]
+    assert set(error) == {"type", "code", "message", "param", "sequence_number"}, error
+    assert error["code"] == "engine_unavailable" and "retry the request" in error["message"]
+    assert failed["status"] == "failed" and failed["error"] == {
+        "code": error["code"],
+        "message": error["message"],
+    }
+    for leak in ("#engine", "Traceback", "ActorDiedError", "ray", *victims):
+        assert leak not in error["message"], error["message"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    (item,) = failed["output"]  # what the client saw, kept in the failed response, marked unfinished
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == text
+    (row,) = usage_rows(serve_app, [failed["id"]])
+    assert row.status == "failed" and row.completion_tokens >= deltas
+    deadline = time.monotonic() + 120  # Serve replaces the replica; the next modules use it
+    while set(engine_replicas(model)) & set(victims) or len(engine_replicas(model)) < len(victims):
+        assert time.monotonic() < deadline, "Serve did not replace the killed replica"
+        time.sleep(0.5)
+    time.sleep(2)  # nothing bills the failed response a second time
+    assert len(usage_rows(serve_app, [failed["id"]], timeout=0)) == 1
+    short = {**body, "stream": False, "max_output_tokens": 4}
+    again = httpx.post(f"{serve_app.url}/v1/responses", json=short, headers=headers, timeout=120)
+    assert again.status_code == 200 and again.json()["status"] == "incomplete", again.text
