@@ -239,9 +239,9 @@ def plan(body: ChatCompletionRequest) -> ToolPlan:
     auto = choice is None or choice == "auto"
     if auto and formatted:  # the response_format's grammar decides the output
         return ToolPlan(rendered, None, names)
-    if formatted:
-        message = "response_format cannot be combined with a required or named tool_choice"
-        raise InvalidParameter(message, param="response_format")
+    # With a required or named tool_choice the turn's output is the call, never text: the call's grammar
+    # decides it and response_format has nothing to shape until tool_choice goes back to auto (what the
+    # Agents SDK does after forcing a first call on an agent with an output type).
     if choice is None or isinstance(choice, str):  # auto or required
         chosen, param, repeat = tools, "tools", body.parallel_tool_calls
     else:

@@ -307,6 +307,34 @@ def test_a_named_function_is_the_one_called_once(account: Account) -> None:
     assert_calls(calls, {"get_weather"})
 
 
+def test_a_forced_call_beside_a_response_format_is_the_call(account: Account) -> None:
+    """The Agents SDK forces a first call on an agent with an output type, sending its response_format too:
+    the turn is the call (before: a 400); the format shapes the text once tool_choice is auto again."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    forced = account.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema}},
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert_calls(forced.choices[0].message.tool_calls, {"get_weather"})
+    answered = account.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="auto",
+        response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema}},
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    content = answered.choices[0].message.content
+    assert content is not None and set(json.loads(content)) == {"answer"}, content
+
+
 def test_without_parallel_calls_there_is_one_call(account: Account) -> None:
     reply = account.client.chat.completions.create(
         model=MODEL,
