@@ -514,11 +514,6 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("required-without-tools", {"tool_choice": "required"}, "tool_choice"),
     (
-        "response-format-with-required",
-        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "response_format",
-    ),
-    (
         "bad-tool-name",
         {"tools": [{"type": "function", "function": {"name": "a b"}}]},
         "tools.0.function.name",
