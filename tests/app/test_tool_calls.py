@@ -310,13 +310,21 @@ def test_a_named_function_is_the_one_called_once(account: Account) -> None:
 def test_a_forced_call_beside_a_response_format_is_the_call(account: Account) -> None:
     """The Agents SDK forces a first call on an agent with an output type, sending its response_format too:
     the turn is the call (before: a 400); the format shapes the text once tool_choice is auto again."""
-    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    schema: dict[str, object] = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}},
+        "required": ["answer"],
+    }
+    answer_format: ResponseFormatJSONSchema = {
+        "type": "json_schema",
+        "json_schema": {"name": "out", "schema": schema},
+    }
     forced = account.client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema}},
+        response_format=answer_format,
         max_tokens=MAX_TOKENS,
         temperature=0,
     )
@@ -327,7 +335,7 @@ def test_a_forced_call_beside_a_response_format_is_the_call(account: Account) ->
         messages=MESSAGES,
         tools=TOOLS,
         tool_choice="auto",
-        response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema}},
+        response_format=answer_format,
         max_tokens=MAX_TOKENS,
         temperature=0,
     )
