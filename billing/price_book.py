@@ -28,6 +28,7 @@ from billing.pricing import (
     gpu_cost,
     gpu_seconds_of,
     ms_decimal,
+    tier_prices,
     token_cost,
 )
 
@@ -124,18 +125,6 @@ def as_prices(row: PriceChange, tier: str) -> Prices:
         cached_input_per_mtok=Decimal(row.cached_input_per_mtok),
         output_per_mtok=Decimal(row.output_per_mtok),
         gpu_per_second=Decimal(row.gpu_per_second),
-    )
-
-
-def tier_prices(tier: Tier) -> Prices:
-    """The tier's current prices, as its columns hold them."""
-    return Prices(
-        tier=tier.name,
-        currency=tier.currency,
-        input_per_mtok=Decimal(tier.price_input_per_mtok),
-        cached_input_per_mtok=Decimal(tier.price_cached_input_per_mtok),
-        output_per_mtok=Decimal(tier.price_output_per_mtok),
-        gpu_per_second=Decimal(tier.price_gpu_per_second),
     )
 
 

@@ -30,7 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from billing import repository
-from billing.models import BASE_ADAPTER_KEY, Adapter, UsageRollup
+from billing.models import BASE_ADAPTER_KEY, Adapter, Tier, UsageRollup
 
 MONEY_DECIMALS = 6
 MONEY_STEP = Decimal(1).scaleb(-MONEY_DECIMALS)  # 0.000001
@@ -150,7 +150,11 @@ def check_period(start: datetime, end: datetime) -> tuple[datetime, datetime]:
 def prices_of(session: Session, tenant_id: str) -> Prices:
     """The tenant's tier's current prices. Raises TenantNotFound."""
     tenant = repository.get_tenant(session, tenant_id=tenant_id)
-    tier = repository.get_tier(session, name=tenant.tier)
+    return tier_prices(repository.get_tier(session, name=tenant.tier))
+
+
+def tier_prices(tier: Tier) -> Prices:
+    """The tier's current prices, as its columns hold them."""
     return Prices(
         tier=tier.name,
         currency=tier.currency,
