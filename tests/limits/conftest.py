@@ -97,13 +97,17 @@ async def redis_limiter(redis_url: str) -> AsyncIterator[RedisLimiter]:
         yield limiter
     finally:
         await limiter.aclose()
-        client = redis.Redis.from_url(redis_url)
-        try:
-            stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-            if stale:
-                client.delete(*stale)
-        finally:
-            client.close()
+        _delete_keys(redis_url, prefix)
+
+
+def _delete_keys(redis_url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if stale:
+            client.delete(*stale)
+    finally:
+        client.close()
 
 
 @pytest.fixture
@@ -150,10 +154,4 @@ async def budgets(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterat
             yield redis_budgets
         finally:
             await redis_budgets.aclose()
-            client = redis.Redis.from_url(redis_url)
-            try:
-                stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-                if stale:
-                    client.delete(*stale)
-            finally:
-                client.close()
+            _delete_keys(redis_url, prefix)
