@@ -21,6 +21,7 @@ from app.schemas.openai import (
     MAX_ARGUMENTS_CHARS,
     MAX_DESCRIPTION_CHARS,
     MAX_TOOLS,
+    FunctionDefinition,
     Id,
     ToolName,
     _bounded_schema,
@@ -126,16 +127,10 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Request):
-    type: Literal["function"]
-    name: ToolName
-    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
-    parameters: dict[str, Any] | None = Field(
-        default=None, description="A JSON Schema of the arguments object; absent: no arguments."
-    )
-    strict: bool | None = None
+class FunctionTool(FunctionDefinition):
+    """Chat's function definition, flat: the Responses API puts `type` beside its fields."""
 
-    _parameters = field_validator("parameters")(_bounded_schema)
+    type: Literal["function"]
 
 
 class ToolChoiceFunction(_Request):
