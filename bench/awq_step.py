@@ -146,6 +146,8 @@ def main() -> None:
         name: round(result["step_ms"][name] / result["step_ms"]["bf16"], 3) for name in ("awq", "awq_fused")
     }
     result["weights_mib"] = {name: round(e.loaded.weights_bytes / 2**20, 1) for name, e in engines.items()}
+    # A capture that fails falls back to eager decode with a log line only: say which engines replayed graphs.
+    result["decode_graphs"] = {name: e.runner.graphs is not None for name, e in engines.items()}
     for e in engines.values():
         e.close()
     result["machine"] = machine(dtype)

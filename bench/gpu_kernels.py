@@ -499,6 +499,8 @@ def lora_sweep(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, 
     default (delta_config's cost model) marked."""
     from dataclasses import replace
 
+    from triton.runtime.errors import OutOfResources
+
     from deployments.engine.gpu_kernels.lora_delta import DeltaShape, delta_config, sm_count
 
     found: dict[str, dict[str, float]] = {}
@@ -519,7 +521,11 @@ def lora_sweep(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, 
             }
         )
         for label, config in trials.items():
-            replay = graphed(partial(run, config=config), 20)
+            try:
+                replay = graphed(partial(run, config=config), 20)
+            except OutOfResources:  # a knob past this GPU's shared memory
+                print(f"{name} {label}: out of shared memory", flush=True)
+                continue
             if replay is not None:
                 row[label] = round(graph_timer(replay, 20), 1)
         print(name, row, flush=True)

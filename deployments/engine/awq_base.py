@@ -7,8 +7,9 @@ compute dtype (layout: awq_dequant.py's docstring). Per call, by the call's row 
 decode bucket, so the choice is fixed inside a captured graph):
 - rows <= fused_max_rows: awq_linear, one kernel that reads the 4-bit codes only (decode reads each weight
   once a step, so this saves the 16-bit copy's write and read);
-- more rows: awq_dequantize once, then one dense matmul (cuBLAS beats our untuned tile loop once the batch
-  is large: on an H200 at 32 rows the fused kernel took 190 us where dequantize + matmul took 62 us).
+- more rows: awq_dequantize once, then one dense matmul. The default sends every call here: on an H200
+  (bench.gpu_check's awq step, bench-1b's 2048 x 5632) dequantize + matmul took 101-105 us at 1-256 rows
+  and the fused kernel 240 us at 1 row, 613 us at 256, so the fused side waits for a tuned kernel.
 Without Triton (a CPU engine where gptqmodel is missing) the same weight is dequantized in torch per call.
 LoRA wraps it like any base (MultiLoRALinear, Projection's per-member path); nothing here knows adapters.
 """
@@ -20,7 +21,7 @@ from deployments.engine.gpu_kernels._triton import interpreting, triton
 
 # Column c of each block of 8 sits in nibble (0 2 4 6 1 3 5 7).index(c): bits 4 * that.
 _SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
-DEFAULT_FUSED_MAX_ROWS = 16
+DEFAULT_FUSED_MAX_ROWS = 0  # the fused GEMM was slower at every row count measured
 
 
 def dequantize_in_torch(
