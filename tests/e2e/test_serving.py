@@ -203,17 +203,24 @@ def test_cancelling_through_the_serve_handle_aborts_on_the_replica(serve_app: Se
 
 def test_a_client_leaving_before_its_first_token_is_billed_once(serve_app: ServeApp) -> None:
     """The engine had taken the request (it waits for KV behind a long one) when its client left: the
-    ingress stops it on that replica and bills what the engine processed, in exactly one row."""
+    ingress stops it on that replica and bills what the engine processed, in exactly one row.
+
+    The KV cache holds 1,024 tokens: the request's 750-token prompt cannot finish its prefill beside the
+    filler (which takes it back by preemption each time it runs short), so it stays without a token until
+    the filler's 699 decode steps end, a window the abort must land in. With a 200-step filler, a fast CPU
+    finished it first on a loaded machine and the request got its first token before its abort."""
     tenant_id, key = serve_app.new_tenant(f"e2e-leave-{time.monotonic_ns()}", tier="enterprise")
     headers = {"authorization": f"Bearer {key}"}
-    filler = {"model": "tiny-llama", "prompt": [5] * 800, "max_tokens": 200, "temperature": 0, "stream": True}
+    # 301 prompt tokens: never the count of a partial prefill of the other (chunks of 127-128 tokens).
+    filler = {"model": "tiny-llama", "prompt": [5] * 301, "max_tokens": 699, "temperature": 0, "stream": True,
+              "ignore_eos": True}  # fmt: skip
     url = f"{serve_app.url}/v1/completions"
     with httpx.stream("POST", url, json=filler, headers=headers, timeout=60) as held:
         assert held.status_code == 200
         lines = held.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # the filler holds most of the KV cache
         waiting_before = engine_stats(serve_app).waiting
-        request = {"model": "tiny-llama", "prompt": [6] * 300, "max_tokens": 50, "stream": True}
+        request = {"model": "tiny-llama", "prompt": [6] * 750, "max_tokens": 50, "stream": True}
         body = json.dumps(request).encode()
         host, port = serve_app.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
@@ -229,7 +236,7 @@ def test_a_client_leaving_before_its_first_token_is_billed_once(serve_app: Serve
         deadline = time.monotonic() + 30
         while True:
             rows = list(session.scalars(select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)))
-            left = [r for r in rows if r.prompt_tokens != 800]  # not the filler
+            left = [r for r in rows if r.prompt_tokens != 301]  # not the filler
             if left or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -237,7 +244,7 @@ def test_a_client_leaving_before_its_first_token_is_billed_once(serve_app: Serve
     assert len(left) == 1, f"rows for the request whose client left: {left}"
     row = left[0]
     assert row.status == "aborted" and row.finish_reason == "abort"
-    assert 0 <= row.prompt_tokens <= 300 and row.completion_tokens == 0
+    assert 0 <= row.prompt_tokens <= 750 and row.completion_tokens == 0
 
 
 def test_the_admin_api_is_on_its_own_listener_only(serve_app: ServeApp) -> None:
