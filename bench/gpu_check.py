@@ -193,7 +193,19 @@ def run_pytest(paths: list[str], timeout: float) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", *paths],
+            # -o addopts=: not the suite's xdist options (the GPU image has no xdist)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--noconftest",
+                "-o",
+                "addopts=",
+                *paths,
+            ],
             capture_output=True,
             text=True,
             timeout=timeout,

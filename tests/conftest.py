@@ -19,10 +19,32 @@ import tests.triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET before the
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from tests.ci import missing
+from tests.workers import SERIAL, assign_groups, group_of, ray_left_running
 
 pytest_plugins = ["tests.model_fixtures"]
 
 POSTGRES_ADMIN_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+_RAY_BEFORE = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    assign_groups(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[_RAY_BEFORE] = ray_left_running()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test outside the serial group that starts Ray fails (tests/workers.py says why)."""
+    result = yield
+    if not item.stash.get(_RAY_BEFORE, True) and ray_left_running() and group_of(item) != SERIAL:
+        pytest.fail(f"{item.nodeid} started Ray outside the serial group: name it in tests/workers.py")
+    return result
 
 
 @pytest.fixture(scope="session")
