@@ -19,7 +19,7 @@ import tests.triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET before the
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
 from tests.ci import missing
-from tests.workers import SERIAL, assign_groups, group_of, ray_left_running
+from tests.workers import SERIAL, SerialGroupScheduling, group_of, ray_left_running, serial_first
 
 pytest_plugins = ["tests.model_fixtures"]
 
@@ -27,9 +27,13 @@ POSTGRES_ADMIN_URL = os.environ.get("LORAPLEX_TEST_POSTGRES_URL", "postgresql://
 _RAY_BEFORE = pytest.StashKey[bool]()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    assign_groups(items)
+    serial_first(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> SerialGroupScheduling | None:
+    """`--dist loadgroup` (pyproject's addopts): the Ray tests in one unit (tests/workers.py)."""
+    return SerialGroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -42,7 +46,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """A test outside the serial group that starts Ray fails (tests/workers.py says why)."""
     result = yield
-    if not item.stash.get(_RAY_BEFORE, True) and ray_left_running() and group_of(item) != SERIAL:
+    if not item.stash.get(_RAY_BEFORE, True) and ray_left_running() and group_of(item.nodeid) != SERIAL:
         pytest.fail(f"{item.nodeid} started Ray outside the serial group: name it in tests/workers.py")
     return result
 

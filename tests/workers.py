@@ -1,4 +1,4 @@
-"""How the suite splits across pytest-xdist's workers (`-n 2 --dist loadgroup`, pyproject's addopts).
+"""How the suite splits across pytest-xdist's two workers (`-n 2 --dist loadgroup`, pyproject's addopts).
 
 A test that starts Ray, in this process (a fixture) or in a child (`serve run`, `loraplex up`, a bench that
 deploys), joins the one serial group, which runs first and alone on one worker: two local Ray clusters at
@@ -7,14 +7,17 @@ written for one cluster at a time. Every other test runs with the rest of its mo
 so a module's fixtures are built once. Most of a serial test's time is waiting (process starts, streams,
 timeouts), which is what the other worker fills.
 
-`serial_guard` (an autouse fixture in tests/conftest.py) fails a test outside the group that leaves Ray
-running in its worker, so a new Ray test cannot silently land beside the cluster tests.
+The group is read from the node id alone, because xdist's scheduler sees only ids (and pytest 9 ignores
+the id suffix that xdist's own `xdist_group` mark relies on). tests/conftest.py fails a test outside the
+group that leaves Ray initialized in its worker, so a new Ray test cannot silently land beside the
+cluster tests.
 """
 
 import os
 import sys
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 SERIAL = "ray"
 # Whole files or folders whose tests start Ray or `serve run` in a child process.
@@ -22,34 +25,40 @@ SERIAL_PATHS = (
     "tests/e2e/",
     "tests/test_external_clients.py",
 )
-# Fixtures that start a local Ray cluster in the test's own process.
-RAY_FIXTURES = frozenset({"serve_app", "ray_actors", "ray_limiter"})
+# The limiter's and budgets' backend parameter that starts a module's Ray cluster (tests/limits).
+RAY_PARAM = "ray"
 # tests/test_benches.py: the benches whose tiny mode starts Ray (a Serve app or the limiter's actors).
 RAY_BENCHES = frozenset(
     {"budget_race", "gateway", "http_load", "limiter_flood", "prefix_reuse", "rate_limiter", "routing"}
 )
 
 
-def group_of(item: pytest.Item) -> str:
-    path = item.nodeid.split("::", 1)[0]
-    if path.startswith(SERIAL_PATHS) or RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+def group_of(nodeid: str) -> str:
+    path, _, name = nodeid.partition("::")
+    if path.startswith(SERIAL_PATHS):
         return SERIAL
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if "ray" in params.values():  # the limiter's and budgets' backends: "ray" starts a module cluster
+    params = name[name.index("[") + 1 : -1].split("-") if name.endswith("]") and "[" in name else []
+    if RAY_PARAM in params:
         return SERIAL
-    if path == "tests/test_benches.py" and params.get("bench") in RAY_BENCHES:
+    if path == "tests/test_benches.py" and params and params[0] in RAY_BENCHES:
         return SERIAL
     return path
 
 
-def assign_groups(items: list[pytest.Item]) -> None:
-    """Mark each test with its group; on a worker, the serial group first (every worker sorts alike), so
-    the scheduler hands it out before anything else and it never waits at the end."""
-    groups = {item.nodeid: group_of(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+class SerialGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no types
+    """xdist's module-at-a-time scheduling, with every serial test in one unit. A unit is handed out
+    whole, in collection order, so the serial group (first on every worker, `serial_first`) goes to one
+    worker at the start and the other takes module after module beside it."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(nodeid)
+
+
+def serial_first(items: list[pytest.Item]) -> None:
+    """On a worker, the serial group first (every worker sorts alike, as xdist requires); the collection
+    order otherwise, so e2e modules keep theirs."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: groups[item.nodeid] != SERIAL)  # stable: collection order otherwise
+        items.sort(key=lambda item: group_of(item.nodeid) != SERIAL)
 
 
 def ray_left_running() -> bool:
