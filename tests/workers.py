@@ -1,16 +1,18 @@
 """How the suite splits across pytest-xdist's two workers (`-n 2 --dist loadgroup`, pyproject's addopts).
 
-A test that starts Ray, in this process (a fixture) or in a child (`serve run`, `loraplex up`, a bench that
-deploys), joins the one serial group, which runs first and alone on one worker: two local Ray clusters at
-once would share the machine's two cores, Serve's ports and /tmp/ray, and the serial group's tests were
-written for one cluster at a time. Every other test runs with the rest of its module on the other worker,
-so a module's fixtures are built once. Most of a serial test's time is waiting (process starts, streams,
-timeouts), which is what the other worker fills.
+The serial group runs first and alone on one worker: the e2e modules (a shared Serve app, `serve run`,
+`loraplex up`, clusters whose faults are timed against streams), the external load clients, and every test
+that starts Ray in its own process (the limiter's and budgets' `ray` backend). Those were written for one
+Ray cluster at a time in the test's process. Every other test runs with the rest of its module on the other
+worker, so a module's fixtures are built once. Most of a serial test's time is waiting (process starts,
+streams, timeouts), which is what the other worker fills. The benches' tiny modes run there too, also the
+ones that deploy a Serve app in a child process of their own: each is its own cluster on free ports, and a
+tiny mode asserts no timing.
 
 The group is read from the node id alone, because xdist's scheduler sees only ids (and pytest 9 ignores
 the id suffix that xdist's own `xdist_group` mark relies on). tests/conftest.py fails a test outside the
-group that leaves Ray initialized in its worker, so a new Ray test cannot silently land beside the
-cluster tests.
+group that leaves Ray initialized in its worker, so a new in-process Ray test cannot silently run beside
+the cluster tests.
 """
 
 import os
@@ -20,17 +22,13 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 SERIAL = "ray"
-# Whole files or folders whose tests start Ray or `serve run` in a child process.
+# Whole files or folders in the serial group.
 SERIAL_PATHS = (
     "tests/e2e/",
     "tests/test_external_clients.py",
 )
 # The limiter's and budgets' backend parameter that starts a module's Ray cluster (tests/limits).
 RAY_PARAM = "ray"
-# tests/test_benches.py: the benches whose tiny mode starts Ray (a Serve app or the limiter's actors).
-RAY_BENCHES = frozenset(
-    {"budget_race", "gateway", "http_load", "limiter_flood", "prefix_reuse", "rate_limiter", "routing"}
-)
 
 
 def group_of(nodeid: str) -> str:
@@ -38,11 +36,7 @@ def group_of(nodeid: str) -> str:
     if path.startswith(SERIAL_PATHS):
         return SERIAL
     params = name[name.index("[") + 1 : -1].split("-") if name.endswith("]") and "[" in name else []
-    if RAY_PARAM in params:
-        return SERIAL
-    if path == "tests/test_benches.py" and params and params[0] in RAY_BENCHES:
-        return SERIAL
-    return path
+    return SERIAL if RAY_PARAM in params else path
 
 
 class SerialGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no types
