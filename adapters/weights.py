@@ -91,7 +91,9 @@ def load_adapter_weights(
             )
             continue
         # Fold in float32 so that fp16/bf16 adapters lose precision once, at the final cast.
-        served_a = a.to(dtype)
+        # A copy, never a view of the file's mmap: a file truncated later (replaced in place) would
+        # otherwise end the whole engine process with SIGBUS when a slot is filled from it.
+        served_a = a.to(dtype, copy=True)
         served_b = (b.to(torch.float32) * spec.scaling_for(module_path)).to(dtype)
         # Checked as served, on the CPU: finite weights times a huge alpha/r can overflow in fp16/bf16.
         if not (torch.isfinite(served_a).all() and torch.isfinite(served_b).all()):

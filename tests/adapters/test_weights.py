@@ -98,3 +98,26 @@ def test_loads_onto_the_requested_device(good_adapter: Path) -> None:
     module = next(iter(weights.modules.values()))
     assert module.a.device.type == module.b.device.type == "meta"
     assert module.b.dtype == torch.float16
+
+
+def test_loaded_weights_outlive_their_file_being_rewritten(adapter_copy: Path) -> None:
+    """Loaded weights hold no view of the file: rewriting it in place (truncated) afterwards must not end
+    the process with SIGBUS when they are read (an engine fills slots from a host tier of these)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+from pathlib import Path
+from adapters.spec import AdapterSpec
+from adapters.weights import load_adapter_weights
+path = Path({str(adapter_copy)!r})
+spec = AdapterSpec.from_dir(path)
+weights = load_adapter_weights(path, spec, dtype=torch.float32)
+(path / {WEIGHTS_FILE!r}).write_bytes(b"broken")
+print(sum(float(w.a.sum()) + float(w.b.sum()) for w in weights.modules.values()) != 0.0)
+"""
+    root = Path(__file__).resolve().parents[2]
+    run = [sys.executable, "-c", code]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=root)
+    assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]
