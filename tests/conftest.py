@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     serial_first(items)
 
 
-@pytest.hookimpl(optionalhook=True)  # where xdist is not installed, the hook is not defined
+@pytest.hookimpl(optionalhook=True)  # undefined under `-p no:xdist -o addopts=`, which must still load
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> SerialGroupScheduling | None:
     """`--dist loadgroup` (pyproject's addopts): the Ray tests in one unit (tests/workers.py)."""
     return SerialGroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
