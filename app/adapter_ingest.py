@@ -21,8 +21,8 @@ from adapters.ref import AdapterRef
 from adapters.spec import CONFIG_FILE, WEIGHTS_FILE
 from adapters.store import AdapterStore
 from adapters.validation import validate_adapter_dir
-from app.catalog import BaseModelEntry, ModelCatalog
 from app.errors import InvalidParameter
+from app.served_models.catalog import BaseModelEntry, ModelCatalog
 from app.upload import Upload
 from billing import adapter_registry, repository
 from billing.models import PUBLIC_OWNER, Adapter

@@ -4,7 +4,6 @@ import logging
 
 from adapters.errors import AdapterStoreUnavailable
 from adapters.store import AdapterStore, remove_stale
-from app.adapter_resolver import AdapterResolver
 from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator
 from app.auth.failures import FailureThrottle
@@ -12,7 +11,6 @@ from app.auth.key_usage import KeyUsageRecorder
 from app.budget_guard import BudgetGuard
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
-from app.catalog import BaseModelSpec, ModelCatalog
 from app.limits import LimiterBackend
 from app.limits.local_backend import LocalLimiter
 from app.metering.database_sink import DatabaseSink
@@ -20,6 +18,8 @@ from app.metering.delivery import MeteringSink, UsageDelivery
 from app.metering.observer import MeteringObserver
 from app.metering.outbox import Outbox
 from app.request_metrics import RequestMetrics
+from app.served_models.adapter_resolver import AdapterResolver
+from app.served_models.catalog import BaseModelSpec, ModelCatalog
 from app.services import Services
 from app.settings import Settings
 from app.upload import UPLOADS_DIR

@@ -13,12 +13,12 @@ from adapters.spec import WEIGHTS_FILE
 from app.adapter_ingest import AdapterIngest
 from app.auth.api_keys import generate_key
 from app.bootstrap import adapter_store
-from app.catalog import BaseModelSpec, ModelCatalog
 from app.demo_assets import shipped_demo
 from app.dependency_noise import import_quietly
 from app.modelprep.demo_model import Arch, ensure_model
 from app.modelprep.demo_skills import SKILLS
 from app.modelprep.demo_training import ADAPTERS_DIR, BASE_DIR, RECORD_FILE
+from app.served_models.catalog import BaseModelSpec, ModelCatalog
 from app.settings import Settings
 from billing import adapter_registry, repository
 from billing.db import make_engine, make_session_factory, session_scope

@@ -7,15 +7,15 @@ from sqlalchemy.orm import Session
 
 from adapters.ref import AdapterRef
 from adapters.store import AdapterStore
-from app.adapter_resolver import AdapterResolver
 from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator, Principal
 from app.budget_guard import BudgetGuard
-from app.catalog import BaseModelEntry, ModelCatalog
 from app.errors import ModelNotFound
 from app.limits import LimiterBackend
 from app.metering.delivery import UsageDelivery
 from app.metering.request_record import RequestObserver
+from app.served_models.adapter_resolver import AdapterResolver
+from app.served_models.catalog import BaseModelEntry, ModelCatalog
 from app.settings import Settings
 from deployments.engine.interface import EngineClient
 

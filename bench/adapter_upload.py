@@ -24,8 +24,8 @@ import httpx
 
 from app.auth.api_keys import generate_key
 from app.bootstrap import build_services
-from app.catalog import BaseModelSpec
 from app.main import create_app
+from app.served_models.catalog import BaseModelSpec
 from app.settings import Settings
 from bench.admin_upload import post_adapter
 from bench.assets import ensure_bench_assets

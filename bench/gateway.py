@@ -28,9 +28,9 @@ from ray import serve
 
 from app.auth.api_keys import generate_key
 from app.bootstrap import build_services
-from app.catalog import BaseModelSpec
 from app.main import create_app
 from app.modelprep.demo_model import ensure_model
+from app.served_models.catalog import BaseModelSpec
 from app.settings import Settings
 from bench.measure import machine, spread
 from billing import repository

@@ -30,11 +30,11 @@ from pathlib import Path
 import httpx
 
 from app.bootstrap import build_services
-from app.catalog import BaseModelSpec
 from app.demo_assets import shipped_demo
 from app.main import create_app
 from app.modelprep.demo_skills import SKILLS
 from app.modelprep.demo_training import ADAPTERS_DIR, BASE_DIR
+from app.served_models.catalog import BaseModelSpec
 from app.settings import Settings
 from bench.live_server import LiveServer
 from bench.measure import machine

@@ -41,9 +41,9 @@ from typing import Any
 
 import httpx
 
-from app.completions.prompts import PromptBuilder
 from app.modelprep.demo_model import ensure_model
 from app.schemas.openai import ChatMessage
+from app.served_models.prompts import PromptBuilder
 from bench.measure import machine, spread
 from bench.serve_platform import Platform, Tenant, build_adapters, local_platform, stream
 from deployments.engine.config import EngineConfig

@@ -15,10 +15,10 @@ from app import log_context
 from app.admin_listener import AdminListener
 from app.bootstrap import build_services
 from app.budgets.factory import make_budgets
-from app.catalog import BaseModelSpec
 from app.dependency_noise import quiet_dependencies
 from app.limits.factory import LimiterConfig, make_limiter
 from app.main import Routes, create_app
+from app.served_models.catalog import BaseModelSpec
 from app.settings import Settings
 from deployments.client_gone import ClientGone
 from deployments.engine.interface import DEFAULT_MAX_NUM_SEQS

@@ -1,7 +1,8 @@
 """POST /v1/responses, and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items.
 
-Creating a response runs as a chat request (app/routes/completions.prepare_chat): the same bounds, tools,
+Creating a response is planned as a chat request (app/completions/plan.plan_chat): the same bounds, tools,
 grammar, rate limits and metering; errors that chat would name by its fields name the Responses fields.
+It runs through the same request lifecycle, rendered by app/responses/renderer.py.
 A continuation (`previous_response_id`) reads its chain from the store and, with truncation 'auto', drops
 its oldest turns until the prompt leaves room for the output (and, when stored, fits max_stored_kb).
 """
@@ -14,14 +15,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.auth.authenticator import Principal
+from app.completions.delivery import respond
+from app.completions.lifecycle import RequestLifecycle
+from app.completions.plan import RequestPlan, plan_chat
 from app.deps import ReaderDep, RequestIdDep, ServicesDep, TenantDep
 from app.errors import APIError, InvalidParameter, NotFound
 from app.responses.conversation import PARAMS, Conversation, with_ids
-from app.responses.generation import ResponseGeneration
 from app.responses.objects import ResponseObject
+from app.responses.renderer import ResponsesRenderer
 from app.responses.request import ResponseRequest
 from app.responses.store import ResponseStore, Stored
-from app.routes.completions import PreparedChat, prepare_chat
 from app.routes.guarded import TenantRoute
 from app.services import Services
 from app.settings import Settings
@@ -68,23 +71,28 @@ async def _create(
         _within_storage, settings, body, Conversation(context, with_ids(body.items()))
     )
     chat_body = await run_in_threadpool(conversation.chat_request, body)
-    chat = await prepare_chat(chat_body, principal, services)
-    while body.truncation == "auto" and _overflows(chat, body):
+    plan = await plan_chat(chat_body, principal, services)
+    while body.truncation == "auto" and _overflows(plan, body):
         shorter = conversation.without_oldest_turn()
         if shorter is None:
             break  # the request's own input is too long: the context check refuses it, naming input
         conversation = shorter
         chat_body = await run_in_threadpool(conversation.chat_request, body)
-        chat = await prepare_chat(chat_body, principal, services)
-    response = _created(body, request_id)
-    generation = ResponseGeneration.begin(services, principal, chat.target, request_id, "chat", chat_body)
-    generation.prepared(response, conversation, store)
-    return await generation.respond([chat.prompt_ids], chat.params, chat.shape)
+        plan = await plan_chat(chat_body, principal, services)
+    life = RequestLifecycle.begin(services, principal, plan, request_id, stream=body.stream)
+    renderer = ResponsesRenderer(
+        _created(body, request_id),
+        plan.shape.tool_names,
+        tenant_id=principal.tenant_id,
+        conversation=conversation,
+        store=store,
+    )
+    return await respond(life, renderer, stream=body.stream)
 
 
-def _overflows(chat: PreparedChat, body: ResponseRequest) -> bool:
+def _overflows(plan: RequestPlan, body: ResponseRequest) -> bool:
     """Whether the prompt leaves no room for the output asked for (at least one token)."""
-    return len(chat.prompt_ids) + (body.max_output_tokens or 1) > chat.target.base.max_model_len
+    return plan.longest_prompt + (body.max_output_tokens or 1) > plan.target.base.max_model_len
 
 
 def _within_storage(settings: Settings, body: ResponseRequest, conversation: Conversation) -> Conversation:

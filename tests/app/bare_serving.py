@@ -15,8 +15,8 @@ import httpx
 from sqlalchemy import Engine, event
 
 from app.bootstrap import build_services
-from app.catalog import BaseModelSpec
 from app.main import create_app
+from app.served_models.catalog import BaseModelSpec
 from app.services import Services
 from app.settings import Settings
 from bench.live_server import LiveServer

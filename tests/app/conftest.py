@@ -16,8 +16,8 @@ from starlette.types import ASGIApp
 from typer.testing import Result
 
 from app.bootstrap import build_services
-from app.catalog import BaseModelSpec
 from app.main import create_app
+from app.served_models.catalog import BaseModelSpec
 from app.services import Services
 from app.settings import Settings
 from bench.live_server import LiveServer

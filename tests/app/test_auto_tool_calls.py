@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from app.completions.prompts import PromptBuilder
 from app.completions.tool_calls import BEGIN
+from app.served_models.prompts import PromptBuilder
 from tests.app.conftest import MODEL, Served
 from tests.app.features import Account, account_with_adapter, account_without_adapter, assert_refused
 from tests.app.test_tool_calls import CLOCK

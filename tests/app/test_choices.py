@@ -10,8 +10,8 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.completions.prompts import PromptBuilder
 from app.limits import Limits
+from app.served_models.prompts import PromptBuilder
 from tests.app.conftest import MODEL, Served
 from tests.app.features import MODELS, Account, account_with_adapter, account_without_adapter, assert_refused
 from tests.app.test_rate_limits import make_tier

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.completions.prompts import PromptBuilder
+from app.served_models.prompts import PromptBuilder
 from tests.app.conftest import MODEL, Served
 from tests.app.features import MODELS, Account, account_with_adapter, account_without_adapter, assert_refused
 

@@ -14,8 +14,8 @@ from moto.server import ThreadedMotoServer
 from openai import OpenAI
 
 from app.bootstrap import build_services
-from app.catalog import BaseModelSpec
 from app.main import create_app
+from app.served_models.catalog import BaseModelSpec
 from app.settings import Settings
 from bench.live_server import LiveServer
 from deployments.engine.interface import LocalEngineClient

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from app.completions.prompts import PromptBuilder
 from app.schemas.openai import MAX_PROMPT_TOKENS, MAX_PROMPTS, CompletionRequest, Prompt
+from app.served_models.prompts import PromptBuilder
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
 from tests.app.features import best_of
 from tests.app.test_error_contract import assert_error

@@ -15,13 +15,14 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openai.types.shared_params import ResponseFormatJSONSchema
 
-from app.completions import choices as choices_module
-from app.completions import tool_calls
-from app.completions.choices import HEAVY_BLOCKS, HEAVY_CHARS, Choices, Shape
-from app.completions.prompts import PromptBuilder
+from app.completions import chat_renderer, rendering, tool_calls
+from app.completions.chat_renderer import ChatRenderer
+from app.completions.plan import Shape
+from app.completions.rendering import HEAVY_BLOCKS, HEAVY_CHARS
 from app.completions.tool_calls import BEGIN, END, ParsedCall, ToolCallStream, parse
 from app.errors import InvalidParameter
 from app.schemas.openai import ChatChoice, ChatMessage
+from app.served_models.prompts import PromptBuilder
 from deployments.engine.interface import FinishReason, RequestOutput
 from tests.app.conftest import MODEL, Served
 from tests.app.features import (
@@ -200,19 +201,19 @@ def _output(text: str) -> RequestOutput:
 def test_a_choice_whose_call_nests_too_deep_keeps_its_text_whole_and_streamed(llama: TinySetup) -> None:
     texts = PromptBuilder(llama.model_dir).tokens
     text = f'{BEGIN}{{"name": "get_time", "arguments": {DEEP}}}{END}'
-    whole = Choices("chat", Shape(tool_names=NAMES), [[1]], texts)
+    whole = ChatRenderer("r", "m", Shape(tool_names=NAMES), [[1]], texts)
     whole.add(_output(text))
     assert whole.heavy()  # 200,000 characters: shaped and rendered off the event loop
-    [choice] = whole.final()
+    [choice] = whole.choices()
     assert isinstance(choice, ChatChoice)
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
-    stream = Choices("chat", Shape(tool_names=NAMES), [[1]], texts)
-    assert stream.chunk(RequestOutput(request_id="r", text=text[:-1])) == []  # held: it may be a call
+    stream = ChatRenderer("r", "m", Shape(tool_names=NAMES), [[1]], texts)
+    assert stream._pieces(RequestOutput(request_id="r", text=text[:-1])) == []  # held: it may be a call
     last = _output(text[-1:])
     assert stream.heavy(last)  # what the stream held comes out now
-    pieces = stream.chunk(last)
-    assert "".join(p.delta.content or "" for p in pieces) == text  # type: ignore[union-attr]
-    assert not any(p.delta.tool_calls for p in pieces)  # type: ignore[union-attr]
+    pieces = stream._pieces(last)
+    assert "".join(p.delta.content or "" for p in pieces) == text
+    assert not any(p.delta.tool_calls for p in pieces)
     assert pieces[-1].finish_reason == "stop"
 
 
@@ -220,7 +221,7 @@ def test_a_response_is_heavy_past_its_bounds_of_openings_and_characters(llama: T
     texts = PromptBuilder(llama.model_dir).tokens
 
     def heavy(text: str, tool_names: frozenset[str] = NAMES) -> bool:
-        choices = Choices("chat", Shape(tool_names=tool_names), [[1]], texts)
+        choices = ChatRenderer("r", "m", Shape(tool_names=tool_names), [[1]], texts)
         choices.add(_output(text))
         return choices.heavy()
 
@@ -229,7 +230,7 @@ def test_a_response_is_heavy_past_its_bounds_of_openings_and_characters(llama: T
     assert not heavy(BEGIN * HEAVY_BLOCKS, frozenset())  # no tools: nothing to parse
     assert not heavy("x" * (HEAVY_CHARS - 1), frozenset())
     assert heavy("x" * HEAVY_CHARS, frozenset())
-    stream = Choices("chat", Shape(tool_names=NAMES), [[1]], texts)
+    stream = ChatRenderer("r", "m", Shape(tool_names=NAMES), [[1]], texts)
     call = f'{BEGIN}{{"name": "get_time", "arguments": {{}}}}{END}'
     assert not stream.heavy(RequestOutput(request_id="r", text=call * (HEAVY_BLOCKS - 1)))
     assert stream.heavy(RequestOutput(request_id="r", text=call * HEAVY_BLOCKS))  # a piece of many calls
@@ -481,7 +482,7 @@ def test_a_response_of_many_unclosed_calls_is_parsed_off_the_event_loop(
     served: Served, account: Account, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     probe = HealthProbe(served.url)
-    monkeypatch.setattr(choices_module, "parse", probe.around(parse))
+    monkeypatch.setattr(chat_renderer, "parse", probe.around(parse))
     reply = account.client.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=[CLOCK], response_format=OPENINGS, max_tokens=8 * HEAVY_BLOCKS
     )
@@ -496,7 +497,7 @@ def test_a_stream_releases_a_large_held_call_off_the_event_loop(
 ) -> None:
     """The held text of an unclosed call comes out at the end of its choice, in one piece: past HEAVY_CHARS
     (lowered here to what the tiny engine's context can hold) that piece is built off the event loop."""
-    monkeypatch.setattr(choices_module, "HEAVY_CHARS", len(BEGIN) * HEAVY_BLOCKS // 2)
+    monkeypatch.setattr(rendering, "HEAVY_CHARS", len(BEGIN) * HEAVY_BLOCKS // 2)
     probe = HealthProbe(served.url)
     monkeypatch.setattr(ToolCallStream, "finish", probe.around(ToolCallStream.finish))
     stream = account.client.chat.completions.create(

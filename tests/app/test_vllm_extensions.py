@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.completions.prompts import PromptBuilder
+from app.served_models.prompts import PromptBuilder
 from tests.app.conftest import MODEL, Served
 from tests.app.features import MODELS, Account, account_with_adapter, account_without_adapter, assert_refused
 

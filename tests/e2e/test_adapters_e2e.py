@@ -12,8 +12,8 @@ import pytest
 from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
+from app.served_models.prompts import PromptBuilder
 from bench.admin_upload import post_adapter
 from tests.e2e.conftest import ServeApp
 from tests.engine.reference import PeftReference

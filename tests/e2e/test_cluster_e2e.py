@@ -46,8 +46,8 @@ from sqlalchemy import make_url, select
 from typer.testing import CliRunner
 
 from app.cli import build_app as cli_app
-from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
+from app.served_models.prompts import PromptBuilder
 from billing.db import make_engine, make_session_factory
 from billing.models import UsageEvent
 from deployments.builder import build_app

@@ -12,8 +12,8 @@ from openai import NotFoundError, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 from sqlalchemy import select
 
-from app.completions.prompts import PromptBuilder
 from app.schemas.openai import ChatMessage
+from app.served_models.prompts import PromptBuilder
 from billing.models import UsageEvent
 from deployments.engine.config import EngineConfig
 from deployments.engine.interface import EngineRequest, EngineStats

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 from adapters.layout import BaseModelLayout
-from app.completions.prompts import PromptBuilder
+from app.served_models.prompts import PromptBuilder
 from deployments.engine.interface import DEFAULT_LORA_TARGETS, DEFAULT_MAX_NUM_SEQS
 
 

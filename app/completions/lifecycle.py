@@ -1,0 +1,278 @@
+"""RequestLifecycle: one planned request from the tier's policy to its usage row, in no wire shape and
+with no HTTP request: the routes render it (app/completions/delivery.py), the Batch API runs it too.
+
+`start` checks the policy, admits the request (rate limits, then its money held) and asks the engine for
+its first output, so bad input (context too long, unknown adapter, overload) surfaces as an error before
+any status is sent. Replica failover lives in `_engine_outputs` alone: a request whose engine replica is
+lost while its client has seen none of its output runs again elsewhere. However it ends (completion,
+client gone, engine failure), `close` stops what still runs, releases the lease with the tokens really
+used, settles the money and hands exactly one RequestRecord to the observers; a request that ends before
+any engine took it (rate limits, bad input) is counted by request_metrics.refused instead.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Self
+
+from adapters.errors import AdapterLoadFailed, AdapterNotFound
+from app import log_context, request_metrics
+from app.auth.authenticator import Principal
+from app.completions.admission import Admission, BudgetAsk
+from app.completions.engine_stream import EngineStream, uncancellable
+from app.completions.plan import RequestPlan
+from app.completions.policy import allowed
+from app.errors import APIError, ModelNotFound, to_api_error
+from app.metering.request_record import RequestRecord, RequestStatus
+from app.services import Services
+from billing.price_book import Metered
+from deployments.engine.interface import (
+    EngineRequest,
+    FinishReason,
+    PromptTooLong,
+    ReplicaLost,
+    RequestFailed,
+    RequestOutput,
+)
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 3  # a request whose replica is lost before its client saw output runs at most this often
+STOP_WAIT_S = 5.0  # how long a leaving client's request may take to report its final usage
+
+
+@dataclass
+class RequestLifecycle:
+    services: Services
+    principal: Principal
+    plan: RequestPlan
+    request_id: str
+    stream: bool  # recorded with its usage
+    started: float = field(default_factory=time.monotonic)
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    admission: Admission | None = None
+    engine_request: EngineRequest | None = None
+    streamed_tokens: int = 0  # output tokens passed on, for billing an aborted request without usage
+    client_has_output: bool = False  # once true, a lost replica ends the request instead of restarting it
+    engine_stream: EngineStream | None = None  # the current attempt's
+    _outputs: AsyncGenerator[RequestOutput, None] | None = None
+    _recorded: bool = False
+    _closing: "asyncio.Future[None] | None" = None
+
+    @classmethod
+    def begin(
+        cls, services: Services, principal: Principal, plan: RequestPlan, request_id: str, *, stream: bool
+    ) -> Self:
+        target = plan.target
+        # Not reset here: the middleware's reset ends the request's log context, after the stream.
+        log_context.bind(model=target.name, adapter=None if target.adapter is None else str(target.adapter))
+        return cls(services, principal, plan, request_id, stream)
+
+    def headers(self) -> dict[str, str]:
+        """The admission's rate-limit headers, for the response."""
+        return {} if self.admission is None else self.admission.headers()
+
+    async def start(self) -> RequestOutput:
+        """Admit the request and return its first output; refused, or failed before its first token, it
+        raises the APIError to answer with (its admission's headers on it)."""
+        try:
+            return await self._start()
+        except BaseException as error:
+            if not self._recorded:  # no engine took it, so no RequestRecord: count it here
+                self._count_refused(error)
+            raise
+
+    async def _start(self) -> RequestOutput:
+        plan, principal = self.plan, self.principal
+        allowance = allowed(plan, principal)  # before admission: a request that cannot run reserves nothing
+        self.admission = await Admission.acquire(
+            self.services.limiter,
+            tenant=principal.tenant_id,
+            tier=principal.tier,
+            request_id=self.request_id,
+            limits=principal.limits,
+            reserve=plan.prompt_tokens + allowance.output_tokens,  # every prompt, every choice's most output
+            fail_open=self.services.limiter_fail_open,
+            sequences=allowance.sequences,  # concurrency counts what the engine runs, not HTTP requests
+            budget=self._budget_ask(allowance.output_tokens),
+        )
+        self.engine_request = EngineRequest(
+            request_id=self.request_id,
+            prompt_ids=plan.prompts[0],
+            params=allowance.params,
+            adapter=plan.target.adapter,
+            cache_salt=principal.tenant_id,  # tenants never share cached prefixes
+            announce=True,  # so a client leaving before its first token still pays for its prefill
+            more_prompts=tuple(plan.prompts[1:]),
+            tenant=principal.tenant_id,  # the engine's fair share of its waiting queue
+            max_gpu_ms=self.admission.max_gpu_ms,  # its hold covers this much GPU time, no more
+        )
+        self._outputs = self._engine_outputs()
+        try:
+            first = await anext(self._outputs)  # engine-side validation errors surface here
+            if first.finish_reason is FinishReason.ERROR:  # failed before its first token (its adapter
+                raise first.error or RequestFailed()  # could not be loaded): a status, not a 200 stream
+        except BaseException as error:
+            if not isinstance(error, Exception):  # cancelled: the client left before the first token
+                await uncancellable(self.close("aborted"))
+                raise
+            await uncancellable(self.close("failed"))  # billed only if an engine had accepted it
+            if isinstance(error, PromptTooLong):
+                error = error.for_param(plan.prompt_param)
+            raise await self.api_error(error) from None
+        return first
+
+    async def next_output(self) -> RequestOutput:
+        """The output after the last one (the lease renewed when due); StopAsyncIteration past the end."""
+        assert self.admission is not None and self._outputs is not None
+        await self.admission.renew_if_due()
+        return await anext(self._outputs)
+
+    async def api_error(self, error: Exception) -> APIError:
+        """`error` as the APIError to answer with, the admission's headers on it."""
+        api_error = to_api_error(await self._explained(error))
+        api_error.headers = {**self.headers(), **api_error.headers}
+        return api_error
+
+    def _count_refused(self, error: BaseException) -> None:
+        target = self.plan.target
+        try:
+            request_metrics.refused(self.principal.tenant_id, target.name, target.base.name, error)
+        except Exception:  # metrics must never change a response
+            log.exception("counting refused request %s failed", self.request_id)
+
+    def _budget_ask(self, output_tokens: int) -> BudgetAsk | None:
+        """The request's money for admission: its prompts and its most output, on its model or adapter."""
+        guard = self.services.budget_guard
+        if guard is None:
+            return None
+        target = self.plan.target
+        return BudgetAsk(
+            guard=guard,
+            budgeted=self.principal.budgeted,
+            base_model=target.base.name,
+            adapter_id=None if target.adapter is None else target.adapter.adapter_id,
+            prompt_tokens=self.plan.prompt_tokens,
+            output_tokens=output_tokens,
+        )
+
+    async def _explained(self, error: Exception) -> Exception:
+        """The engine found no stored version of this request's adapter: deleted since the ingress resolved
+        its name (cached for a moment), so the model is gone (404); or the registry still lists it and the
+        store lost its files, which is the platform's fault (503, logged). The registry decides, afresh."""
+        ref = self.plan.target.adapter
+        if not isinstance(error, AdapterNotFound) or ref is None:
+            return error
+        name = self.plan.target.name
+        try:
+            gone = await self.services.adapters.recheck(self.principal, name) is None
+        except Exception:  # the registry is unreachable: the platform's trouble either way
+            log.exception("rechecking adapter %s in the registry failed", ref)
+            gone = False
+        if gone:
+            return ModelNotFound(name)
+        log.warning("adapter %s is registered but its engine cannot find it: %s", ref, error)
+        return AdapterLoadFailed(str(ref), "the registry lists it but the store does not hold it")
+
+    async def _engine_outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        """This request's engine outputs, with the platform's one replica failover: when the replica
+        running it is lost (ReplicaLost) while the client has seen none of its output, the request runs
+        again from the start, under a fresh engine id (the lost attempt's abort may still be pending
+        somewhere), on whichever replica the router now picks. Output a client has seen cannot be taken
+        back: then the loss ends the request. A consumer sees a restart as a new request_id. Closing the
+        engine stream is `close`'s business, not this generator's: it runs whenever the client leaves."""
+        assert self.engine_request is not None
+        base_model = self.plan.target.base.name
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            stream = EngineStream(self.services.engine, base_model, self.engine_request)
+            self.engine_stream = stream
+            self.streamed_tokens = 0
+            try:
+                while not stream.finished:
+                    out = await stream.next()
+                    self.streamed_tokens += len(out.token_ids)
+                    yield out
+                return
+            except ReplicaLost:
+                if self.client_has_output or attempt == MAX_ATTEMPTS:
+                    raise
+                log.warning("request %s lost its engine replica; running it again", self.request_id)
+                await stream.close()
+            self.engine_request = replace(self.engine_request, request_id=f"{self.request_id}.r{attempt}")
+
+    async def close(self, status: RequestStatus) -> None:
+        """End the request once, however many paths get here (the stream's own end, the response's close,
+        a cancelled handler): stop the engine request if it still runs (`aborted`), then release the lease
+        and bill what the engine processed. A request no engine accepted is released with nothing."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(status))
+        await asyncio.shield(self._closing)
+
+    async def _close(self, status: RequestStatus) -> None:
+        stream = self.engine_stream
+        if stream is not None and not stream.finished and status == "aborted":
+            last = await stream.stop(STOP_WAIT_S)
+        else:
+            last = None if stream is None else stream.last
+            if stream is not None:
+                await stream.close()
+        if stream is None or not stream.accepted:  # no engine took it: nothing to bill (`start` counts it)
+            if self.admission is not None:
+                await self.admission.release(0)
+            return
+        await self._finish(status, last)
+
+    async def _finish(self, status: RequestStatus, last: RequestOutput | None) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        usage = None if last is None else last.usage
+        used = (
+            usage.prompt_tokens + usage.completion_tokens
+            if usage is not None
+            else self.plan.prompt_tokens + self.streamed_tokens  # aborted: what the client got
+        )
+        cost = currency = None
+        if self.admission is not None:
+            metered = (
+                None
+                if usage is None
+                else Metered(
+                    usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, usage.gpu_ms
+                )
+            )
+            hold = self.admission.hold
+            cost = await self.admission.settle(metered)
+            currency = None if hold is None else hold.prices.currency
+            await self.admission.release(used)
+        target = self.plan.target
+        record = RequestRecord(
+            request_id=self.request_id,
+            tenant_id=self.principal.tenant_id,
+            key_id=self.principal.key_id,
+            model=target.name,
+            base_model=target.base.name,
+            adapter=target.adapter,
+            status=status,
+            finish_reason=None if last is None or last.finish_reason is None else str(last.finish_reason),
+            usage=usage,
+            started_at=self.started_at,
+            latency_ms=(time.monotonic() - self.started) * 1e3,
+            stream=self.stream,
+            cost=cost,
+            currency=None if cost is None else currency,
+        )
+        log.info(
+            "generation %s: %s prompt + %s completion tokens in %.0f ms",
+            status,
+            "?" if usage is None else usage.prompt_tokens,
+            "?" if usage is None else usage.completion_tokens,
+            record.latency_ms,
+        )  # the log context adds request_id, tenant, model and adapter
+        for observer in self.services.observers:
+            try:
+                await observer.on_finish(record)
+            except Exception:  # an observer must never break a response
+                log.exception("observer %r failed on %s", observer, self.request_id)
