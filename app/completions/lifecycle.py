@@ -58,6 +58,7 @@ class RequestLifecycle:
     client_has_output: bool = False  # once true, a lost replica ends the request instead of restarting it
     engine_stream: EngineStream | None = None  # the current attempt's
     _outputs: AsyncGenerator[RequestOutput, None] | None = None
+    _headers: dict[str, str] | None = None
     _recorded: bool = False
     _closing: "asyncio.Future[None] | None" = None
 
@@ -71,7 +72,10 @@ class RequestLifecycle:
         return cls(services, principal, plan, request_id, stream)
 
     def headers(self) -> dict[str, str]:
-        """The admission's rate-limit headers, for the response."""
+        """The admission's rate-limit and budget headers for the response, as they stood when the first
+        output came (settling the money later drops the budget's)."""
+        if self._headers is not None:
+            return self._headers
         return {} if self.admission is None else self.admission.headers()
 
     async def start(self) -> RequestOutput:
@@ -122,6 +126,7 @@ class RequestLifecycle:
             if isinstance(error, PromptTooLong):
                 error = error.for_param(plan.prompt_param)
             raise await self.api_error(error) from None
+        self._headers = self.admission.headers()
         return first
 
     async def next_output(self) -> RequestOutput:

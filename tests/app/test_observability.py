@@ -237,7 +237,7 @@ def test_log_records_carry_the_request_id_tenant_and_adapter(
         assert response.status_code == 200, response.text
         wait_for(lambda: any(getattr(r, "tenant", None) == tenant_id for r in caplog.records))
     [record] = [r for r in caplog.records if getattr(r, "tenant", None) == tenant_id]
-    assert record.name == "app.completions.generation" and "completed" in record.getMessage()
+    assert record.name == "app.completions.lifecycle" and "completed" in record.getMessage()
     assert record.request_id == response.json()["id"]  # type: ignore[attr-defined]
     assert record.trace_id == response.headers["x-request-id"]  # type: ignore[attr-defined]
     assert record.model == "obs-sql"  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
+from app.completions.plan import INLINE_PROMPT_CHARS
 from app.schemas.openai import MAX_PROMPT_TOKENS, MAX_PROMPTS, CompletionRequest, Prompt
 from app.served_models.prompts import PromptBuilder
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
@@ -131,9 +132,11 @@ def test_a_token_id_prompt_is_validated_once_as_token_ids() -> None:
     assert request < 5 * ids_alone, (request, ids_alone)  # generous: about 1x; the union was 20-50x
 
 
-def test_templating_and_tokenisation_run_off_the_event_loop(
+def test_templating_and_tokenisation_run_off_the_event_loop_once_a_prompt_is_large(
     served: Served, tenant: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A short prompt is templated on the event loop (cheaper than the hop to a thread); one of
+    INLINE_PROMPT_CHARS or more in the thread pool, where it holds no other request up."""
     threads: list[str] = []
     chat, completion = PromptBuilder.chat, PromptBuilder.completion
 
@@ -148,11 +151,15 @@ def test_templating_and_tokenisation_run_off_the_event_loop(
     monkeypatch.setattr(PromptBuilder, "chat", recording_chat)
     monkeypatch.setattr(PromptBuilder, "completion", recording_completion)
     _, key = tenant
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    assert post(served, key, "/v1/chat/completions", json=body).status_code == 200
-    assert post(served, key, "/v1/completions", json={"model": MODEL, "prompt": "hi"}).status_code == 200
-    assert len(threads) == 2
-    assert all(name.startswith("AnyIO worker thread") for name in threads), threads
+    for text in ("hi", "hello world " * (INLINE_PROMPT_CHARS // 12 + 1)):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        assert post(served, key, "/v1/chat/completions", json=body).status_code == 200
+        body = {"model": MODEL, "prompt": text, "max_tokens": 1}
+        assert post(served, key, "/v1/completions", json=body).status_code == 200
+    assert len(threads) == 4
+    loop_thread = threads[0]  # the server's event loop
+    assert threads[1] == loop_thread and not loop_thread.startswith("AnyIO worker thread"), threads
+    assert all(name.startswith("AnyIO worker thread") for name in threads[2:]), threads
 
 
 @pytest.mark.parametrize(
