@@ -64,11 +64,9 @@ def correctness(device: str, *, tiny: bool = False, with_bf16: bool = False) -> 
     from adapters.demo_adapters import build_demo_adapters
     from adapters.store import AdapterStore
     from app.modelprep.demo_model import Arch, build_model
-    from deployments.engine.config import EngineConfig
-    from deployments.engine.interface import EngineRequest, SamplingParams
     from deployments.engine.llm_engine import LLMEngine
     from tests.engine.reference import PeftReference
-    from tests.engine.test_reference_equality import script
+    from tests.engine.test_reference_equality import run_engine, scenario_config, script
 
     results: dict[str, Any] = {}
     root = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -90,33 +88,9 @@ def correctness(device: str, *, tiny: bool = False, with_bf16: bool = False) -> 
             ("eager", "float32", False),
             ("bf16", "bfloat16", True),
         ):
-            engine = LLMEngine(
-                EngineConfig(
-                    model=model_dir,
-                    dtype=dtype,
-                    device=device,
-                    adapter_store=store_root,
-                    max_loras=3,  # five adapters compete for three slots
-                    max_lora_rank=16,
-                    block_size=4,
-                    num_kv_blocks=48,  # forces preemption
-                    max_num_batched_tokens=32,  # chunked prefill
-                    max_num_seqs=8,
-                    cuda_graphs=graphs,
-                )
-            )
-            outputs: dict[str, list[Any]] = {a.request_id: [] for a in arrivals}
-            pending = sorted(arrivals, key=lambda a: a.step)
-            step = 0
-            while pending or engine.has_unfinished():
-                while pending and pending[0].step <= step:
-                    a = pending.pop(0)
-                    ref = None if a.adapter is None else engine.adapters.store.latest(a.adapter)
-                    params = SamplingParams(max_tokens=a.max_tokens, temperature=0, logprobs=0)
-                    engine.add_request(EngineRequest(a.request_id, a.prompt, params, ref))
-                for out in engine.step():
-                    outputs[out.request_id].append(out)
-                step += 1
+            config = scenario_config(model_dir, store_root, dtype=dtype, device=device, cuda_graphs=graphs)
+            engine = LLMEngine(config)
+            outputs = run_engine(engine, arrivals, logprobs=0)  # the chosen token's logprob, held to PEFT's
             runs[label] = {
                 rid: (
                     [t for o in outs for t in o.token_ids],

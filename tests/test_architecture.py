@@ -1,18 +1,21 @@
 """The house's one-way boundaries, read from the source with `ast` (docs/architecture.md draws them).
 
-Every top-level package found on disk is a unit with an allow-list of the units it may import (`ALLOWED`);
-`deployments.engine` is a unit of its own inside `deployments`, and a unit may name a single module of
-another (the engine's interface) instead of the whole unit. A package on disk without an entry fails.
-What counts as an import:
+Every top-level folder holding Python files git tracks (or would add: not ignored), a package or not, is a
+unit with an allow-list of the units it may import (`ALLOWED`); `deployments.engine` is a unit of its own
+inside `deployments`, and a unit may name a single module of another (the engine's interface) instead of
+the whole unit. A folder (or top-level module) without an entry fails. What counts as an import:
 
 - `import` and `from ... import` anywhere (inside functions and under TYPE_CHECKING too: the same
   dependency, only later), relative ones resolved;
 - a dotted attribute that reaches a module past the one imported (`interface.llm_engine.X`,
   `deployments.engine.scheduler.Y` after `import deployments.engine.interface`);
 - dynamic imports: `importlib.import_module`, `__import__`, and a string naming one of our modules
-  (`"deployments.engine.async_engine"`). Each is an error unless `DYNAMIC` names it with its reason; a
-  literal target is also held to the allow-list. tests/ may import anything, so its strings (monkeypatch
-  targets, logger names) are not read as imports.
+  (`"deployments.engine.async_engine"`). The importers count under any name: `import_module as load`,
+  `il.import_module` after `import importlib as il`, `im = importlib.import_module`, `getattr(importlib,
+  "import_module")`; a call through one is a dynamic import, and so is any other use of one (passed or
+  bound to a name: what it will import is not read here). Each is an error unless `DYNAMIC` names it with
+  its reason; a literal target is also held to the allow-list. tests/ may import anything, so its
+  strings (monkeypatch targets, logger names) are not read as imports.
 
 Also: the engine imports only the standard library and `ENGINE_THIRD_PARTY`; only app/errors.py touches
 `HTTPException` or chooses a status (`APIError(...)`); no module imports itself around a loop, where
@@ -24,6 +27,7 @@ tree and prove the checker reports it. `python -m tests.test_architecture` print
 import ast
 import functools
 import re
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -66,10 +70,10 @@ DYNAMIC: dict[tuple[str, str], str] = {
     (INTERFACE, "deployments.engine.async_engine"): "lazy: importing the interface must not import torch",
     (INTERFACE, "deployments.engine.local_client"): "lazy: importing the interface must not import torch",
     (INTERFACE, "*"): "the lazy table above, read by module __getattr__",
-    ("deployments.engine.gpu_kernels._triton", "*"): "triton only where it is installed (CUDA images)",
+    ("deployments.engine.gpu_kernels._triton", "*"): "triton where installed (CUDA, dev extras)",
     ("deployments.engine.native_kernel", "deployments.engine.native_kernel"): "compiles in a child process",
-    ("app.dependency_noise", "*"): "imports third-party modules early to silence their import-time noise",
-    ("bench.gpu_kernels", "bitsandbytes"): "untyped, only on a GPU machine",
+    ("app.dependency_noise", "*"): "a noisy third-party import, its output discarded",
+    ("bench.gpu_kernels", "bitsandbytes"): "bound as Any: bitsandbytes is untyped",
     ("bench.gpu_check", "*"): "reads installed packages' versions by name",
     ("bench.gpu_check", "bench.gpu_check"): "runs its steps as child processes",
     ("bench.gpu_check", "bench.host_overhead"): "runs it as a child process",
@@ -96,17 +100,25 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache
+def python_files(root: Path) -> tuple[Path, ...]:
+    """The tree's Python files: in a git checkout each one git tracks or would add (not ignored: a virtual
+    environment is not ours), whatever folder holds it; elsewhere (the self-tests' trees) each on disk."""
+    if not (root / ".git").exists():
+        return tuple(sorted(root.rglob("*.py")))
+    command = ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "*.py"]
+    listed = subprocess.run(command, check=True, capture_output=True, text=True).stdout.split("\0")
+    return tuple(sorted(root / name for name in listed if name and (root / name).is_file()))
+
+
 def top_packages(root: Path) -> list[str]:
-    """Every top-level package on disk: a folder with an __init__.py."""
-    return sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file() and p.name[0] != ".")
+    """Every top-level folder holding Python files (with an __init__.py or not: without one it still
+    imports, as a namespace package), and every top-level module."""
+    return sorted({module_name(root, path).split(".")[0] for path in python_files(root)})
 
 
 def modules(root: Path) -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for package in top_packages(root):
-        for path in sorted((root / package).rglob("*.py")):
-            found[module_name(root, path)] = path
-    return found
+    return {module_name(root, path): path for path in python_files(root)}
 
 
 def _within(module: str, package: str) -> bool:
@@ -182,10 +194,50 @@ def _reach(parsed: dict[str, Parsed], start: str, attrs: list[str]) -> str:
     return current
 
 
-def _is_dynamic_call(node: ast.Call) -> bool:
-    func = node.func
-    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-    return name in {"import_module", "__import__"}
+IMPORTERS = frozenset({"import_module", "__import__"})  # importlib's (any module's) and the builtin
+
+
+def _is_importer(node: ast.AST, names: set[str]) -> bool:
+    """`node` reads an importer: a name bound to one, `<anything>.import_module` or `.__import__`, or
+    `getattr(<anything>, "import_module")`."""
+    if isinstance(node, ast.Name):
+        return node.id in names and isinstance(node.ctx, ast.Load)
+    if isinstance(node, ast.Attribute):
+        return node.attr in IMPORTERS and isinstance(node.ctx, ast.Load)
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value in IMPORTERS
+    )
+
+
+def _importer_names(tree: ast.Module) -> set[str]:
+    """The names a module binds to an importer: the importers' own, `from importlib import import_module
+    as load`, and assignments of an importer (`im = importlib.import_module`, `b = a` after that)."""
+    names = set(IMPORTERS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.update(alias.asname or alias.name for alias in node.names if alias.name in IMPORTERS)
+    assignments: list[tuple[list[ast.expr], ast.expr]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            assignments.append((node.targets, node.value))
+        elif isinstance(node, ast.AnnAssign | ast.NamedExpr) and node.value is not None:
+            assignments.append(([node.target], node.value))
+    while True:
+        bound = {
+            target.id
+            for targets, value in assignments
+            if _is_importer(value, names)
+            for target in targets
+            if isinstance(target, ast.Name)
+        }
+        if bound <= names:
+            return names
+        names |= bound
 
 
 def _named_module(value: str, known: dict[str, Path]) -> str | None:
@@ -207,8 +259,21 @@ def _imports(root: Path) -> Iterator[Import]:
         reads_strings = unit_of(name) != "tests"
         docstrings = {id(doc) for n in ast.walk(info.tree) if (doc := _docstring(n)) is not None}
         inner = {id(n.value) for n in ast.walk(info.tree) if isinstance(n, ast.Attribute)}
+        importers = _importer_names(info.tree)
+        called = {
+            id(n.func)
+            for n in ast.walk(info.tree)
+            if isinstance(n, ast.Call) and _is_importer(n.func, importers)
+        }
         for node in ast.walk(info.tree):
-            if isinstance(node, ast.Import):
+            if isinstance(node, ast.Call) and id(node.func) in called:
+                literal = node.args[0] if node.args else None
+                is_str = isinstance(literal, ast.Constant) and isinstance(literal.value, str)
+                target = literal.value if is_str else "*"  # type: ignore[union-attr]
+                yield Import(name, target, node.lineno, "dynamic")
+            elif id(node) not in called and _is_importer(node, importers):  # passed on or bound: to what?
+                yield Import(name, "*", getattr(node, "lineno", 0), "dynamic")
+            elif isinstance(node, ast.Import):
                 for alias in node.names:
                     yield Import(name, alias.name, node.lineno)
             elif isinstance(node, ast.ImportFrom):
@@ -226,11 +291,6 @@ def _imports(root: Path) -> Iterator[Import]:
                 reached = _reach(parsed, start, parts[1:])
                 if reached != start and not _within(start, reached):
                     yield Import(name, reached, node.lineno, "attribute")
-            elif isinstance(node, ast.Call) and _is_dynamic_call(node):
-                literal = node.args[0] if node.args else None
-                is_str = isinstance(literal, ast.Constant) and isinstance(literal.value, str)
-                target = literal.value if is_str else "*"  # type: ignore[union-attr]
-                yield Import(name, target, node.lineno, "dynamic")
             elif (
                 reads_strings
                 and isinstance(node, ast.Constant)
@@ -258,7 +318,8 @@ def boundary_violations(root: Path) -> list[str]:
     packages = top_packages(root)
     for package in packages:
         if package not in ALLOWED:
-            problems.append(f"{package}/: a top-level package with no entry in ALLOWED (what may it import?)")
+            shown = f"{package}/" if (root / package).is_dir() else f"{package}.py"
+            problems.append(f"{shown}: top-level Python with no entry in ALLOWED (what may it import?)")
     stdlib = sys.stdlib_module_names
     seen_dynamic: set[tuple[str, str]] = set()
     for imp in imports(root):
@@ -454,7 +515,8 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
         ({"adapters/store.py": "from billing import db\n"}, "adapters may import only nothing of ours"),
         ({"billing/usage.py": "from app.settings import Settings\n"}, "billing may import only"),
         ({"migrations/env.py": "from billing.models import Base\n"}, "migrations may import only"),
-        ({"tools/__init__.py": "", "tools/x.py": "import os\n"}, "tools/: a top-level package with no entry"),
+        ({"tools/__init__.py": "", "tools/x.py": "import os\n"}, "tools/: top-level Python with no entry"),
+        ({"setup.py": "import os\n"}, "setup.py: top-level Python with no entry"),
     ],
 )
 def test_a_wrong_import_is_caught(tmp_path: Path, files: dict[str, str], expected: str) -> None:
@@ -469,6 +531,10 @@ def test_a_wrong_import_is_caught(tmp_path: Path, files: dict[str, str], expecte
         ("from importlib import import_module\ndef f(n):\n    return import_module(n)\n", "of *: a dynamic"),
         ("E = __import__('deployments.engine.llm_engine')\n", "a dynamic import"),
         ("ENGINE = 'deployments.engine.llm_engine:LLMEngine'\n", "a dynamic import"),
+        (
+            "import importlib\na = importlib.import_module\nb = a\nE = b('deployments.engine.llm_engine')\n",
+            "a dy",
+        ),
     ],
 )
 def test_a_dynamic_import_is_caught(tmp_path: Path, source: str, expected: str) -> None:
@@ -477,6 +543,70 @@ def test_a_dynamic_import_is_caught(tmp_path: Path, source: str, expected: str) 
     assert any(expected in p for p in problems), problems
     if "*" not in expected:  # a named target is also held to the allow-list
         assert any("app may import only" in p for p in problems), problems
+
+
+def test_a_folder_of_python_without_init_is_a_unit_too(tmp_path: Path) -> None:
+    """No __init__.py: `import scripts.seed` still works (a namespace package), so it is held all the same."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "seed.py").write_text("from deployments.engine.llm_engine import LLMEngine\n")
+    problems = boundary_violations(_tree(tmp_path, {"deployments/engine/llm_engine.py": ""}))
+    assert problems == [
+        "scripts/: top-level Python with no entry in ALLOWED (what may it import?)",
+        "scripts.seed:1 imports deployments.engine.llm_engine: scripts may import only nothing of ours",
+    ]
+
+
+def test_in_a_checkout_the_python_git_tracks_or_would_add_is_read(tmp_path: Path) -> None:
+    """Tracked and new folders are units; ignored ones (a virtual environment, build output) are not."""
+    files = {
+        ".gitignore": "build/\n.venv/\n",
+        "scripts/seed.py": "import os\n",  # committed
+        "tools/fresh.py": "import os\n",  # not added yet
+        "build/lib/x.py": "import os\n",
+        ".venv/lib/site.py": "import os\n",
+        "app/x.py": "def f():\n    from build.lib import x\n",  # build/ is no package of ours: third party
+    }
+    root = _tree(tmp_path, files)
+    (root / "scripts" / "__init__.py").unlink()
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", "scripts", ".gitignore")
+    assert [p.relative_to(root).as_posix() for p in python_files(root) if "__init__" not in p.name] == [
+        "app/x.py", "scripts/seed.py", "tools/fresh.py"
+    ]  # fmt: skip
+    assert boundary_violations(root) == [
+        f"{unit}/: top-level Python with no entry in ALLOWED (what may it import?)"
+        for unit in ("scripts", "tools")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "line"),
+    [  # the importers under other names, each called with a computed name on the line given
+        ("from importlib import import_module as load\ndef f(n):\n    return load(n)\n", 3),
+        ("import importlib as il\ndef f(n):\n    return il.import_module(n)\n", 3),
+        ("import importlib\nim = importlib.import_module\ndef f(n):\n    return im(n)\n", 4),
+        ("import importlib\na = importlib.import_module\nb = a\ndef f(n):\n    return b(n)\n", 5),
+        ("import importlib\ndef f(n):\n    if (im := importlib.import_module):\n        return im(n)\n", 4),
+        ("imp = __import__\ndef f(n):\n    return imp(n)\n", 3),
+        ("from builtins import __import__ as imp\ndef f(n):\n    return imp(n)\n", 3),
+        ("import builtins\ndef f(n):\n    return builtins.__import__(n)\n", 3),
+        ("import importlib\ndef f(n):\n    return getattr(importlib, 'import_module')(n)\n", 3),
+        # passed on or bound: what it will import is not read here, so that is a dynamic import itself
+        ("import importlib\nMODULES = list(map(importlib.import_module, NAMES))\n", 2),
+        ("import importlib\nclass C:\n    load = importlib.import_module\n", 3),
+        ("from importlib import import_module as load\nLOADERS = {'x': load}\n", 2),
+    ],
+)
+def test_an_importer_under_another_name_is_caught(tmp_path: Path, source: str, line: int) -> None:
+    problems = boundary_violations(_tree(tmp_path, {"app/x.py": source}))
+    expected = (
+        f"app.x:{line} dynamic import of *: a dynamic import; import it, or name it in DYNAMIC with why"
+    )
+    assert expected in problems, problems
 
 
 def test_a_string_that_is_no_module_of_ours_is_no_import(tmp_path: Path) -> None:

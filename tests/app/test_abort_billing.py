@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from billing.models import UsageEvent
 from tests.app.conftest import MODEL, Served, serving
-from tests.app.test_metering import usage_rows, wait_for
+from tests.app.helpers import wait_for
+from tests.app.test_metering import usage_rows
 from tests.model_fixtures import TinySetup
 
 DROP_AT_START = "x-test-drop-at-start"  # this request's client is gone when its response starts

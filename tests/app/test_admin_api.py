@@ -4,7 +4,6 @@
 
 import re
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 
 from billing import repository
 from tests.app.conftest import Served
+from tests.app.helpers import unique
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 KEY_FORMAT = re.compile(r"^sk-lp-([A-Za-z0-9]{12})_([A-Za-z0-9_-]{43})$")
@@ -25,10 +25,6 @@ TENANT_FIELDS = {
 }
 KEY_FIELDS = {"id", "object", "tenant_id", "name", "prefix", "created_at", "expires_at", "revoked_at"}
 WAIT_S = 2.0  # ten times the fixture's auth cache TTL
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:12]}"
 
 
 def when(value: str) -> datetime:

@@ -2,7 +2,6 @@
 overrides (null clears one), their errors, and their effect on a tenant's requests within seconds."""
 
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +9,7 @@ import httpx
 import pytest
 
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
+from tests.app.helpers import unique
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 TIER_FIELDS = {
@@ -34,10 +34,6 @@ TIER_FIELDS |= {
 LIMITS_FIELDS = {*LIMITS, "on_limit", "max_queue_ms"}
 FREE = {"rpm": 60, "tpm": 100_000, "max_concurrent": 8, "max_tokens_cap": 4096, "on_limit": "reject"}
 CACHE_WAIT_S = 0.3  # the fixture's auth cache lives 0.2 s
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:12]}"
 
 
 def assert_error(

@@ -7,7 +7,6 @@ keys all get the same answer. Revocation, expiry and disabling apply within the 
 
 import secrets
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
+from tests.app.helpers import unique
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 INCORRECT = "Incorrect API key provided."
@@ -35,10 +35,6 @@ TENANT_ROUTES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("model", "GET", f"/v1/models/{MODEL}", None),
 ]
 ROUTE_IDS = [r[0] for r in TENANT_ROUTES]
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:12]}"
 
 
 def call(

@@ -16,7 +16,8 @@ from billing.models import UsageEvent
 from billing.price_book import Metered, cost_of, worst_case
 from billing.pricing import Prices
 from tests.app.conftest import MODEL, Served, serving
-from tests.app.test_budgets_api import limits, top_up, wait_for
+from tests.app.helpers import wait_for
+from tests.app.test_budgets_api import limits, top_up
 from tests.model_fixtures import TinySetup
 
 GPU_S = 0.003  # 3 ms of GPU time a request: a few steps of the tiny model, far fewer than 200 tokens

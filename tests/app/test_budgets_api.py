@@ -18,17 +18,11 @@ from app.budgets.redis_backend import RedisBudgets
 from billing import credit
 from billing.models import UsageEvent, utcnow
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import wait_for
 
 # Dear enough that a few tokens are real money: 1 per million input tokens is 0.000001 each.
 PRICES = {"price_input_per_mtok": "1000", "price_cached_input_per_mtok": "1000",
           "price_output_per_mtok": "2000"}  # fmt: skip
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not within the deadline"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,9 @@
 """`loraplex` CLI against the live app (HTTP commands) and a temporary SQLite file (db commands)."""
 
-import json
 import os
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -17,16 +14,7 @@ from app.cli import build_app
 from billing import repository
 from billing.migrate import alembic_config
 from tests.app.conftest import ADMIN_KEY, Served, free_port
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def as_json(result: Result) -> dict[str, Any]:
-    assert result.exit_code == 0, result.output
-    data: dict[str, Any] = json.loads(result.stdout)
-    return data
+from tests.app.helpers import as_json, unique
 
 
 def models_status(served: Served, key: str) -> int:

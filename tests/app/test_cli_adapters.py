@@ -19,14 +19,9 @@ from typer.testing import CliRunner, Result
 from app.cli import build_app
 from app.cli.adapters import FilePart, MultipartBody
 from tests.app.conftest import MODEL, Served, free_port
+from tests.app.helpers import as_json
 
 WEIGHTS = "adapter_model.safetensors"
-
-
-def as_json(result: Result) -> dict[str, Any]:
-    assert result.exit_code == 0, result.output
-    data: dict[str, Any] = json.loads(result.stdout)
-    return data
 
 
 def chat_status(served: Served, key: str, model: str) -> int:

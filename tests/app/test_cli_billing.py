@@ -1,12 +1,10 @@
 """`loraplex billing` against a temporary SQLite database and the Stripe stub, configured by environment."""
 
 import itertools
-import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -18,6 +16,7 @@ from billing.db import make_engine, make_session_factory, session_scope
 from billing.migrate import upgrade
 from billing.models import Tenant, UsageEvent
 from billing.usage import UsageRecord, hour_of, record_usage
+from tests.app.helpers import as_json
 
 _ids = itertools.count()
 
@@ -60,11 +59,6 @@ def database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub: StripeStub) 
 
 def cli(*args: str) -> Result:
     return CliRunner().invoke(build_app(), list(args))
-
-
-def as_json(result: Result, code: int = 0) -> Any:
-    assert result.exit_code == code, result.output
-    return json.loads(result.stdout)
 
 
 def window() -> tuple[str, str]:

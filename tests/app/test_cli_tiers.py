@@ -1,26 +1,14 @@
 """`loraplex tiers` and `loraplex tenants update` limit overrides against the live app."""
 
-import json
-import uuid
 from collections.abc import Callable
-from typing import Any
 
 from typer.testing import Result
 
 from tests.app.conftest import Served
+from tests.app.helpers import as_json, unique
 
 LIMITS = ("rpm", "tpm", "max_concurrent", "max_tokens_cap")
 Cli = Callable[..., Result]
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def as_json(result: Result) -> dict[str, Any]:
-    assert result.exit_code == 0, result.output
-    data: dict[str, Any] = json.loads(result.stdout)
-    return data
 
 
 def test_tier_lifecycle(cli: Cli) -> None:

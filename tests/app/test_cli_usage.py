@@ -1,11 +1,8 @@
 """`loraplex usage show|bill`, tier prices (`tiers --price-*`) and `tenants update --stripe-customer`,
 against the live app."""
 
-import json
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 from typer.testing import Result
@@ -13,21 +10,12 @@ from typer.testing import Result
 from billing.models import Adapter
 from billing.usage import rollup_hours
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import as_json, unique
 from tests.billing.test_usage_queries import make_event
 
 Cli = Callable[..., Result]
 T0 = datetime(2025, 5, 1, 10, 0, tzinfo=UTC)
 PERIOD = ("--start", "2025-05-01T10:00:00Z", "--end", "2025-05-01T12:00:00Z")
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def as_json(result: Result) -> dict[str, Any]:
-    assert result.exit_code == 0, result.output
-    data: dict[str, Any] = json.loads(result.stdout)
-    return data
 
 
 @pytest.fixture(scope="module")

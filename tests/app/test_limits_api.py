@@ -4,7 +4,6 @@ never does; the same x-ratelimit-* headers as an admitted request; its errors in
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 from app.limits import Decision, LimiterUnavailable, Limits, WindowState
 from billing.models import Tier
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import wait_for
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -42,13 +42,6 @@ def complete(served: Served, key: str, **body: object) -> httpx.Response:
     payload = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "temperature": 0, **body}
     headers = {"authorization": f"Bearer {key}"}
     return httpx.post(f"{served.url}/v1/completions", json=payload, headers=headers, timeout=60)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not within the deadline"
-        time.sleep(0.02)
 
 
 def assert_error(r: httpx.Response, status: int, code: str) -> None:

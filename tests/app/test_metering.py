@@ -5,7 +5,6 @@ metering is down, and nothing is counted twice."""
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
 
 import httpx
 import pytest
@@ -14,19 +13,13 @@ from sqlalchemy import select
 from billing.models import UsageEvent
 from billing.usage import UsageRecord
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import wait_for
 
 
 def usage_rows(served: Served, tenant_id: str) -> list[UsageEvent]:
     with served.services.session_factory() as session:
         query = select(UsageEvent).where(UsageEvent.tenant_id == tenant_id).order_by(UsageEvent.started_at)
         return list(session.scalars(query))
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not within the deadline"
-        time.sleep(0.05)
 
 
 def post(served: Served, key: str, path: str, body: dict[str, object]) -> httpx.Response:

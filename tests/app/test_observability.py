@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,15 +21,9 @@ from billing.db import make_engine, make_session_factory
 from deployments.engine_metrics import EngineMetrics
 from tests.app.bare_serving import bare_serving
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import wait_for
 from tests.app.test_rate_limits import DownLimiter, complete, make_tier
 from tests.model_fixtures import TinySetup
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not within the deadline"
-        time.sleep(0.02)
 
 
 def upload(served: Served, name: str, owner: str, source: Path) -> str:

@@ -16,7 +16,8 @@ from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from tests.app.conftest import MODEL, Served
-from tests.app.test_metering import usage_rows, wait_for
+from tests.app.helpers import wait_for
+from tests.app.test_metering import usage_rows
 from tests.engine.helpers import drain, text
 
 MESSAGES: list[ChatCompletionMessageParam] = [

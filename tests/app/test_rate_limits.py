@@ -16,6 +16,7 @@ import pytest
 from app.limits import Decision, LimiterUnavailable, Limits, WindowState
 from billing.models import Tier
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import wait_for
 
 
 def make_tier(served: Served, **limits: object) -> str:
@@ -92,13 +93,6 @@ def test_token_reservations_are_reconciled_to_real_usage(served: Served) -> None
 def leases(served: Served, tenant_id: str) -> int:
     state = served.services.limiter.state._tenants.get(tenant_id)  # type: ignore[attr-defined]
     return 0 if state is None else len(state.leases)
-
-
-def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not within the deadline"
-        time.sleep(0.02)
 
 
 def hold(served: Served, tenant_id: str, limits: Limits) -> str:

@@ -14,7 +14,8 @@ from deployments.engine.interface import EngineClient
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.request import EngineRequest
 from tests.app.conftest import MODEL, Served
-from tests.app.test_metering import usage_rows, wait_for
+from tests.app.helpers import wait_for
+from tests.app.test_metering import usage_rows
 
 
 class LosesFirstAttempts:

@@ -11,8 +11,8 @@ from typer.testing import Result
 from billing.models import EngineReport
 from deployments.engine_reporter import EngineReporter
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import wait_for
 from tests.app.test_adapters_api import upload_files
-from tests.app.test_metering import wait_for
 
 
 def routing(served: Served) -> dict[str, Any]:

@@ -30,7 +30,6 @@ has that max_tokens_cap, and generated max_tokens above it are brought down to i
 """
 
 import copy
-import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -47,6 +46,7 @@ from schemathesis.core.transport import Response
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
+from tests.app.helpers import unique
 from tests.app.test_adapters_api import upload_files
 
 FuzzCase = Case[Any]  # what schemathesis hands each example
@@ -64,10 +64,6 @@ REAL_OBJECT_PATHS = (
     r"^/admin/(tiers/\{name\}|tenants/\{tenant_id\}.*|keys/\{key_id\}|adapters/\{adapter_id\}|usage)$"
     r"|^/v1/(chat/completions|completions|models/\{model_id\}|usage)$"
 )
-
-
-def _unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
 def _without_authorization(document: dict[str, Any]) -> dict[str, Any]:
@@ -125,12 +121,12 @@ class Fuzz:
 
     def __init__(self, served: Served) -> None:
         self.served = served
-        self.tier_name = _unique("fuzz")  # never a name the generator would come up with
+        self.tier_name = unique("fuzz")  # never a name the generator would come up with
         with served.admin() as admin:
             tier = {"name": self.tier_name, "max_tokens_cap": MAX_TOKENS_CAP}  # no rate limits: no 429s
             r = admin.post("/admin/tiers", json=tier)
             assert r.status_code == 201, r.text
-        self.tenant_id, self.key = served.new_tenant(_unique("fuzz"), tier=self.tier_name)
+        self.tenant_id, self.key = served.new_tenant(unique("fuzz"), tier=self.tier_name)
         self.adapter_id, adapter_name = self._upload()
         self.models = (MODEL, f"public/{adapter_name}")
 
@@ -142,14 +138,14 @@ class Fuzz:
         return {}
 
     def _upload(self) -> tuple[str, str]:
-        name = _unique("fuzz")
+        name = unique("fuzz")
         source = next(iter(self.served.setup.adapter_dirs.values()))
         r = upload_files(self.served, name, "public", source)
         assert r.status_code == 201, r.text
         return str(r.json()["id"]), name
 
     def _new_tier(self) -> str:
-        name = _unique("victim")
+        name = unique("victim")
         with self.served.admin() as admin:
             r = admin.post("/admin/tiers", json={"name": name})
         assert r.status_code == 201, r.text
@@ -157,7 +153,7 @@ class Fuzz:
 
     def _new_tenant(self) -> str:
         with self.served.admin() as admin:
-            r = admin.post("/admin/tenants", json={"name": _unique("victim")})
+            r = admin.post("/admin/tenants", json={"name": unique("victim")})
         assert r.status_code == 201, r.text
         return str(r.json()["id"])
 

@@ -16,7 +16,7 @@ from app.metrics import MEMORY
 from deployments.engine_metrics import EngineMetrics
 from tests.app.conftest import MODEL, Served
 from tests.app.features import MODELS, Account, account_with_adapter, account_without_adapter, assert_refused
-from tests.app.test_observability import wait_for
+from tests.app.helpers import wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe a pet as JSON."}]
 MAX_TOKENS = 96

@@ -1,7 +1,6 @@
 """The usage API against the live app: GET /v1/usage (a tenant's own usage only), GET /admin/usage,
 GET /admin/tenants/{id}/bill; tier prices and Stripe customer ids in the admin API; their errors."""
 
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 from billing.models import Adapter
 from billing.usage import rollup_hours
 from tests.app.conftest import MODEL, Served
+from tests.app.helpers import unique
 from tests.billing.test_usage_queries import make_event
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -23,10 +23,6 @@ PRICE_FIELDS = (
     "price_output_per_mtok",
     "price_gpu_per_second",
 )
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:10]}"
 
 
 def assert_error(r: httpx.Response, status: int, *, param: str | None = None, code: str | None = None) -> str:

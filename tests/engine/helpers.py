@@ -1,29 +1,49 @@
 """Small drivers for engine tests."""
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from deployments.engine.config import EngineConfig
+from deployments.engine.interface import AsyncEngine
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.outputs import RequestOutput
 from tests.model_fixtures import TinySetup
 
 
-def make_engine(setup: TinySetup, **overrides: Any) -> LLMEngine:
+def tiny_config(setup: TinySetup, **overrides: Any) -> EngineConfig:
+    """The tiny model in fp32 over its adapter store, 256 KV blocks of 4 tokens; `overrides`: any field."""
     settings: dict[str, Any] = {
         "model": setup.model_dir,
         "dtype": "float32",  # the references are fp32 PEFT
         "adapter_store": setup.store_root,
-        "max_loras": 4,
-        "max_lora_rank": 16,
         "block_size": 4,
         "num_kv_blocks": 256,
+    }
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+def make_engine(setup: TinySetup, **overrides: Any) -> LLMEngine:
+    settings: dict[str, Any] = {
+        "max_loras": 4,
+        "max_lora_rank": 16,
         "max_num_batched_tokens": 64,
         "max_num_seqs": 16,
     }
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
+    return LLMEngine(tiny_config(setup, **{**settings, **overrides}))
+
+
+@contextlib.contextmanager
+def running(config: EngineConfig) -> Iterator[AsyncEngine]:
+    """An AsyncEngine on `config`, shut down when the block ends, however it ends."""
+    engine = AsyncEngine(config)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 def preload(engine: LLMEngine, setup: TinySetup) -> None:

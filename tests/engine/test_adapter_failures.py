@@ -35,6 +35,7 @@ from deployments.engine.interface import (
 )
 from tests.adapters.test_object_store import AWS_ENV
 from tests.app.conftest import free_port
+from tests.engine.helpers import running
 from tests.model_fixtures import TinySetup
 
 NEIGHBOUR = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)  # runs through every failure
@@ -60,9 +61,8 @@ def engine_config(store: str | Path, **overrides: Any) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def engine(llama: TinySetup) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(engine_config(llama.store_root, model=llama.model_dir))
-    yield engine
-    engine.shutdown()
+    with running(engine_config(llama.store_root, model=llama.model_dir)) as engine:
+        yield engine
 
 
 async def outputs(engine: AsyncEngine, request_id: str, params: SamplingParams, ref: AdapterRef | None = None

@@ -11,23 +11,14 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped, PromptTooLong
 from deployments.engine.interface import EngineRequest, EngineStats, FinishReason
 from deployments.engine.sampling_params import SamplingParams
-from tests.engine.helpers import drain, make_engine, text, tokens
+from tests.engine.helpers import drain, make_engine, running, text, tiny_config, tokens
 from tests.model_fixtures import TinySetup
 
 
 @pytest.fixture
 def engine(llama: TinySetup):
-    config = EngineConfig(
-        model=llama.model_dir,
-        dtype="float32",
-        adapter_store=llama.store_root,
-        max_loras=4,
-        block_size=4,
-        num_kv_blocks=256,
-    )
-    engine = AsyncEngine(config)
-    yield engine
-    engine.shutdown()
+    with running(tiny_config(llama, max_loras=4)) as engine:
+        yield engine
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams, ref=None):

@@ -6,6 +6,8 @@ prefix-cache hits and forced preemptions. The engine's bookkeeping is checked on
 """
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +46,26 @@ def script() -> list[Arrival]:
     ]
 
 
-def run_engine(engine: LLMEngine, arrivals: list[Arrival]) -> dict[str, list[RequestOutput]]:
+def scenario_config(model_dir: Path, store_root: str | Path, **overrides: Any) -> EngineConfig:
+    """The engine the script runs on (bench.gpu_check's too); `overrides`: dtype, device, cuda_graphs..."""
+    settings: dict[str, Any] = {
+        "model": model_dir,
+        "dtype": "float32",
+        "adapter_store": store_root,
+        "max_loras": 3,  # five adapters compete for three slots
+        "max_lora_rank": 16,
+        "block_size": 4,
+        "num_kv_blocks": 48,  # too few for everyone at once: forces preemption
+        "max_num_batched_tokens": 32,  # the 70-token prompt is prefilled in chunks
+        "max_num_seqs": 8,
+    }
+    return EngineConfig(**{**settings, **overrides})
+
+
+def run_engine(
+    engine: LLMEngine, arrivals: list[Arrival], logprobs: int | None = None
+) -> dict[str, list[RequestOutput]]:
+    """Greedy, each request added at its step; `logprobs`: SamplingParams.logprobs for every request."""
     outputs: dict[str, list[RequestOutput]] = {a.request_id: [] for a in arrivals}
     pending = sorted(arrivals, key=lambda a: a.step)
     step = 0
@@ -52,11 +73,8 @@ def run_engine(engine: LLMEngine, arrivals: list[Arrival]) -> dict[str, list[Req
         while pending and pending[0].step <= step:
             a = pending.pop(0)
             ref = None if a.adapter is None else engine.adapters.store.latest(a.adapter)
-            engine.add_request(
-                EngineRequest(
-                    a.request_id, a.prompt, SamplingParams(max_tokens=a.max_tokens, temperature=0), ref
-                )
-            )
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=0, logprobs=logprobs)
+            engine.add_request(EngineRequest(a.request_id, a.prompt, params, ref))
         for out in engine.step():
             outputs[out.request_id].append(out)
         step += 1
@@ -67,18 +85,7 @@ def run_engine(engine: LLMEngine, arrivals: list[Arrival]) -> dict[str, list[Req
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_mixed_batch_equals_peft_per_request(tiny_setups: dict[str, TinySetup], arch: str) -> None:
     setup = tiny_setups[arch]
-    config = EngineConfig(
-        model=setup.model_dir,
-        dtype="float32",
-        adapter_store=setup.store_root,
-        max_loras=3,  # five adapters compete for three slots
-        max_lora_rank=16,
-        block_size=4,
-        num_kv_blocks=48,  # too few for everyone at once: forces preemption
-        max_num_batched_tokens=32,  # the 70-token prompt is prefilled in chunks
-        max_num_seqs=8,
-    )
-    engine = LLMEngine(config)
+    engine = LLMEngine(scenario_config(setup.model_dir, setup.store_root))
     for ref in setup.refs.values():  # loads finishing mid-run would make the schedule timing-dependent
         future = engine.adapters.prefetch(ref)
         if future is not None:

@@ -7,13 +7,11 @@ import asyncio
 import json
 import threading
 import time
-from typing import Any
 
 import jsonschema
 import pytest
 
 from deployments.engine.async_engine import AsyncEngine
-from deployments.engine.config import EngineConfig
 from deployments.engine.grammar import CompiledGrammar
 from deployments.engine.interface import (
     EngineOverloaded,
@@ -23,7 +21,7 @@ from deployments.engine.interface import (
     SamplingParams,
     StructuredOutput,
 )
-from tests.engine.helpers import drain, make_engine, preload, text, tokens
+from tests.engine.helpers import drain, make_engine, preload, running, text, tiny_config, tokens
 from tests.model_fixtures import TinySetup
 
 PERSON = {
@@ -131,22 +129,10 @@ def test_a_grammar_survives_preemption_and_a_prefix_hit(llama: TinySetup) -> Non
     engine.close()
 
 
-def make_async_engine(llama: TinySetup, **overrides: Any) -> AsyncEngine:
-    settings: dict[str, Any] = {
-        "model": llama.model_dir,
-        "dtype": "float32",
-        "adapter_store": llama.store_root,
-        "block_size": 4,
-        "num_kv_blocks": 256,
-    }
-    return AsyncEngine(EngineConfig(**{**settings, **overrides}))
-
-
 @pytest.fixture
 def async_engine(llama: TinySetup):
-    engine = make_async_engine(llama)
-    yield engine
-    engine.shutdown()
+    with running(tiny_config(llama)) as engine:
+        yield engine
 
 
 async def _collect(engine: AsyncEngine, request: EngineRequest) -> list:  # type: ignore[type-arg]
@@ -168,7 +154,7 @@ async def test_a_schema_that_cannot_be_enforced_is_refused_before_any_output(
 async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
     llama: TinySetup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = make_async_engine(llama, grammar_compile_timeout_s=0.3)
+    engine = AsyncEngine(tiny_config(llama, grammar_compile_timeout_s=0.3))
     compile_threads: list[str] = []
     compile = engine.engine.grammars.compile
 
@@ -245,9 +231,9 @@ def structured(rid: str, spec: StructuredOutput, tenant: str) -> EngineRequest:
 
 @pytest.fixture
 def bounded_engine(llama: TinySetup):
-    engine = make_async_engine(llama, grammar_compile_timeout_s=1.0, grammar_compile_queue=4)  # share: 1
-    yield engine
-    engine.shutdown()
+    config = tiny_config(llama, grammar_compile_timeout_s=1.0, grammar_compile_queue=4)  # share: 1
+    with running(config) as engine:
+        yield engine
 
 
 async def test_the_wait_for_a_grammar_thread_counts_against_the_bound(

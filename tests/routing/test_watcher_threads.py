@@ -12,8 +12,9 @@ import pytest
 
 from adapters.ref import AdapterRef
 from billing import adapter_registry
-from deployments.engine.interface import AsyncEngine, EngineConfig
+from deployments.engine.interface import AsyncEngine
 from deployments.registry_watcher import RegistryWatcher
+from tests.engine.helpers import running, tiny_config
 from tests.model_fixtures import TinySetup
 
 
@@ -35,17 +36,8 @@ class ThreadRecorder:
 
 @pytest.fixture
 def engine(llama: TinySetup) -> Iterator[AsyncEngine]:
-    config = EngineConfig(
-        model=llama.model_dir,
-        dtype="float32",
-        adapter_store=llama.store_root,
-        num_kv_blocks=64,
-        block_size=4,
-        max_loras=4,
-    )
-    engine = AsyncEngine(config)
-    yield engine
-    engine.shutdown()
+    with running(tiny_config(llama, num_kv_blocks=64, max_loras=4)) as engine:
+        yield engine
 
 
 def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
