@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 from torch import Tensor
 
 from adapters.errors import AdapterInvalid
@@ -68,15 +68,17 @@ def load_adapter_weights(
         raise AdapterInvalid([f"missing {WEIGHTS_FILE}"])
     halves: dict[str, dict[str, Tensor]] = {}
     unexpected: list[str] = []
-    with safe_open(path / WEIGHTS_FILE, framework="pt", device="cpu") as tensors:
-        for key in tensors.keys():  # noqa: SIM118 - safe_open is not a Mapping
-            parsed = parse_lora_key(key)
-            if parsed is None:
-                if not is_training_only_key(key):
-                    unexpected.append(key)
-                continue
-            module_path, which = parsed
-            halves.setdefault(module_path, {})[which] = tensors.get_tensor(key)
+    # Read whole into memory, never mapped: a file truncated while it is read (replaced in place) would
+    # otherwise end the whole engine process with SIGBUS. Adapter files are bounded at upload.
+    tensors = load_safetensors((path / WEIGHTS_FILE).read_bytes())
+    for key, tensor in tensors.items():
+        parsed = parse_lora_key(key)
+        if parsed is None:
+            if not is_training_only_key(key):
+                unexpected.append(key)
+            continue
+        module_path, which = parsed
+        halves.setdefault(module_path, {})[which] = tensor
     problems = [f"unexpected tensor {key}" for key in unexpected]
     modules: dict[str, LoRAModuleWeights] = {}
     for module_path, pair in sorted(halves.items()):
@@ -91,8 +93,6 @@ def load_adapter_weights(
             )
             continue
         # Fold in float32 so that fp16/bf16 adapters lose precision once, at the final cast.
-        # A copy, never a view of the file's mmap: a file truncated later (replaced in place) would
-        # otherwise end the whole engine process with SIGBUS when a slot is filled from it.
         served_a = a.to(dtype, copy=True)
         served_b = (b.to(torch.float32) * spec.scaling_for(module_path)).to(dtype)
         # Checked as served, on the CPU: finite weights times a huge alpha/r can overflow in fp16/bf16.

@@ -121,3 +121,34 @@ print(sum(float(w.a.sum()) + float(w.b.sum()) for w in weights.modules.values())
     run = [sys.executable, "-c", code]
     result = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=root)
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]
+
+
+def test_a_file_truncated_while_it_is_read_never_ends_the_process(adapter_copy: Path) -> None:
+    """The file rewritten in place (truncated) in the middle of loading it: read whole, never mapped, the
+    load finishes with what it read; mapped, the next tensor read ended the process with SIGBUS."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+from pathlib import Path
+import adapters.weights as weights_module
+from adapters.spec import AdapterSpec
+path = Path({str(adapter_copy)!r})
+spec = AdapterSpec.from_dir(path)
+parse = weights_module.parse_lora_key
+def truncating(key):
+    (path / {WEIGHTS_FILE!r}).write_bytes(b"broken")  # as a replacement written in place would
+    return parse(key)
+weights_module.parse_lora_key = truncating
+weights = weights_module.load_adapter_weights(path, spec, dtype=torch.float32)
+print(len(weights.modules) > 0)
+"""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "True", (
+        result.returncode,
+        result.stderr[-2000:],
+    )
