@@ -10,7 +10,7 @@ from adapters.store import AdapterStore
 from app.adapter_resolver import AdapterResolver
 from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator, Principal
-from app.budget_guard import BudgetGuard
+from app.budgets.guard import BudgetGuard
 from app.catalog import BaseModelEntry, ModelCatalog
 from app.errors import ModelNotFound
 from app.limits import LimiterBackend
