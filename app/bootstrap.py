@@ -8,7 +8,7 @@ from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator
 from app.auth.failures import FailureThrottle
 from app.auth.key_usage import KeyUsageRecorder
-from app.budget_guard import BudgetGuard
+from app.budgets.guard import BudgetGuard
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
 from app.limits import LimiterBackend

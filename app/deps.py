@@ -13,7 +13,7 @@ from app.auth.authenticator import Principal
 from app.auth.client_address import client_of
 from app.errors import ReadRateLimited
 from app.middleware import request_id_of
-from app.read_budget import ReadBudget
+from app.read_rate import ReadRate
 from app.services import Services
 
 
@@ -39,23 +39,21 @@ async def get_principal(
 TenantDep = Annotated[Principal, Depends(get_principal)]
 
 
-def read_budget(request: Request, services: Services) -> ReadBudget:
-    """The app's one ReadBudget, made on first use from the settings (never at import time)."""
-    budget: ReadBudget | None = getattr(request.app.state, "read_budget", None)
-    if budget is None:
+def read_rate(request: Request, services: Services) -> ReadRate:
+    """The app's one ReadRate, made on first use from the settings (never at import time)."""
+    rate: ReadRate | None = getattr(request.app.state, "read_rate", None)
+    if rate is None:
         settings = services.settings
-        budget = request.app.state.read_budget = ReadBudget(
-            per_minute=settings.read_rpm, burst=settings.read_burst
-        )
-    return budget
+        rate = request.app.state.read_rate = ReadRate(per_minute=settings.read_rpm, burst=settings.read_burst)
+    return rate
 
 
 async def get_reader(request: Request, principal: TenantDep, services: ServicesDep) -> Principal:
-    """The tenant, once one read is spent from its read budget (429 with retry-after when empty)."""
-    budget = read_budget(request, services)
-    wait = budget.take(principal.tenant_id, time.monotonic())
+    """The tenant, once one read is taken at its read rate (429 with retry-after when it has none left)."""
+    rate = read_rate(request, services)
+    wait = rate.take(principal.tenant_id, time.monotonic())
     if wait is not None:
-        raise ReadRateLimited(wait, budget.per_minute)
+        raise ReadRateLimited(wait, rate.per_minute)
     return principal
 
 

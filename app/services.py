@@ -9,7 +9,7 @@ from adapters.ref import AdapterRef
 from adapters.store import AdapterStore
 from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator, Principal
-from app.budget_guard import BudgetGuard
+from app.budgets.guard import BudgetGuard
 from app.errors import ModelNotFound
 from app.limits import LimiterBackend
 from app.metering.delivery import UsageDelivery

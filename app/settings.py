@@ -1,4 +1,5 @@
-"""Settings: the ingress process's configuration, from LORAPLEX_* environment variables.
+"""Settings: the ingress process's configuration, from LORAPLEX_* environment variables, with its
+sections beside it (ResponsesConfig), so a feature reads its section from here and settings import no feature.
 
 Built by the caller (a deployment's constructor, the CLI), never at import time.
 """
@@ -6,17 +7,39 @@ Built by the caller (a deployment's constructor, the CLI), never at import time.
 import secrets
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adapters.store import store_location
 from app.private_files import publish_secret
-from app.responses.config import ResponsesConfig
 from app.schemas.openai import MAX_PROMPTS
 from billing.db import PoolConfig
 from deployments.engine.interface import MAX_N
 
 MIN_ADMIN_KEY_BYTES = 32
+
+
+class ResponsesConfig(BaseModel):
+    """Settings.responses, as JSON in LORAPLEX_RESPONSES: {"retention_days": 30, ...}."""
+
+    retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "A stored response (store: true) can be retrieved and continued this long after it was made; "
+            "then it is gone as if deleted."
+        ),
+    )
+    max_stored_kb: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Largest conversation one stored response may hold (its chain of earlier turns, its input and "
+            "its output, as JSON). A continuation past it drops its oldest turns with truncation 'auto' "
+            "and is refused (400) with 'disabled'."
+        ),
+    )
+    max_input_items: int = Field(default=1024, ge=1, description="Most items in one request's `input` list.")
 
 
 class Settings(BaseSettings):

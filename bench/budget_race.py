@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from app.budget_guard import BudgetGuard, periods_at
+from app.budgets.guard import BudgetGuard, periods_at
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
 from app.budgets.ray_backend import RayBudgets

@@ -34,7 +34,7 @@ class Principal:
     tier: str
     key_id: str
     limits: Limits = field(default_factory=Limits)  # the tier's, with the tenant's overrides
-    budgeted: bool = False  # prepaid or with a spend limit: admission reserves money (app/budget_guard.py)
+    budgeted: bool = False  # prepaid or with a spend limit: admission reserves money (app/budgets/guard.py)
 
 
 MAX_CACHED = 100_000

@@ -7,7 +7,7 @@ cap), and on release it is replaced by what the request really used, so a tenant
 tokens and used 10 gets 990 back at once.
 
 Money (issue 29) is admitted here too, right after the rate limits: a BudgetAsk makes admission hold the
-request's worst-case cost (app/budget_guard.py) and release settles it to the metered cost. A request
+request's worst-case cost (app/budgets/guard.py) and release settles it to the metered cost. A request
 refused for money gives its rate-limit lease straight back. Every route that runs an engine request
 (chat, completions, and /v1/responses) goes through Admission.acquire with its BudgetAsk.
 """
@@ -20,7 +20,7 @@ from decimal import Decimal
 
 import anyio
 
-from app.budget_guard import BudgetGuard, BudgetHold
+from app.budgets.guard import BudgetGuard, BudgetHold
 from app.errors import RateLimited, RequestTooLarge, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
 from app.metrics import Counter

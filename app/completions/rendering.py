@@ -90,7 +90,7 @@ class Choice:
     seen: bool = False  # has had an output (an echo's prompt goes before the first)
     tools: ToolCallStream | None = None  # chat with tools
     calls: int = 0  # tool calls streamed so far
-    forced: bool | None = None  # the grammar closed its structured output early (budget): True, else None
+    forced: bool | None = None  # the grammar closed its output early (near max_tokens): True, else None
     gpu_limited: bool | None = None  # it ended at the request's GPU-time bound: True, else None
 
     def ended(self, out: RequestOutput) -> None:

@@ -163,5 +163,5 @@ def check_sequences(value: object) -> int:
 
 
 def check_wait(wait_ms: int) -> int:
-    """A waiting budget in whole ms, clamped to [0, MAX_WAIT_MS]."""
+    """How long a request may wait, in whole ms, clamped to [0, MAX_WAIT_MS]."""
     return min(max(0, int(wait_ms)), MAX_WAIT_MS)

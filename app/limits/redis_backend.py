@@ -89,7 +89,7 @@ class RedisLimiter(LimiterBackend):
     """`timeout_s` bounds every script call as a whole (waiting for a pooled connection, connecting, the
     script); past it, or on any connection error, the call raises LimiterUnavailable. It is a hang guard, not
     a latency target: a refused connection fails at once, and a busy ingress's event loop must not turn a
-    burst into 503s (a 0.5 s budget did, on a loaded 2-core machine)."""
+    burst into 503s (a 0.5 s bound did, on a loaded 2-core machine)."""
 
     def __init__(
         self,

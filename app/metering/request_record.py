@@ -29,7 +29,7 @@ class RequestRecord:
     started_at: datetime
     latency_ms: float
     stream: bool
-    cost: Decimal | None = None  # settled at admission's prices (app/budget_guard.py); None: not priced
+    cost: Decimal | None = None  # settled at admission's prices (app/budgets/guard.py); None: not priced
     currency: str | None = None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from app.responses.config import ResponsesConfig
+from app.settings import ResponsesConfig
 from billing.models import StoredResponse, utcnow
 
 

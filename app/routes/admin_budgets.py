@@ -10,7 +10,7 @@ import logging
 from fastapi import APIRouter, status
 from starlette.concurrency import run_in_threadpool
 
-from app.budget_view import budget_out
+from app.budgets.view import budget_out
 from app.deps import AdminDep, ServicesDep
 from app.errors import InvalidParameter
 from app.routes.guarded import AdminRoute

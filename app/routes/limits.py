@@ -13,7 +13,7 @@ from typing import Literal
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
-from app.budget_view import budget_out
+from app.budgets.view import budget_out
 from app.deps import ReaderDep, ServicesDep
 from app.errors import BudgetUnavailable
 from app.limits import WINDOW_MS, Decision, LimiterUnavailable, Limits, WindowState

@@ -434,7 +434,7 @@
     $("login-button").disabled = true;
     showError("login-error", "");
     try {
-      await api("/v1/limits", key); // checks the key; reading limits consumes no budget
+      await api("/v1/limits", key); // checks the key; reading limits spends none of the tenant's rpm or credit
       sessionStorage.setItem(KEY_STORAGE, key);
       input.value = "";
       await enter(key);

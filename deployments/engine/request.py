@@ -25,7 +25,7 @@ class EngineRequest:
     # The most GPU time (ms, all choices together) the request may be charged: the engine ends it with
     # finish_reason LENGTH (RequestOutput.gpu_limited) after the step that reaches it, and reports at most
     # this much in its usage (the crossing step's excess is not charged), so a budget hold that includes
-    # it (app/budget_guard.py) is never exceeded. None: no bound.
+    # it (app/budgets/guard.py) is never exceeded. None: no bound.
     max_gpu_ms: float | None = None
 
     @property

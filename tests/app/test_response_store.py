@@ -9,12 +9,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import InvalidParameter
-from app.responses.config import ResponsesConfig
 from app.responses.conversation import Conversation, with_ids
 from app.responses.request import ResponseRequest
 from app.responses.routes import _within_storage
 from app.responses.store import ResponseStore
-from app.settings import Settings
+from app.settings import ResponsesConfig, Settings
 from billing import repository
 from billing.db import session_scope
 from billing.models import StoredResponse, utcnow

@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.budget_guard import BudgetGuard, BudgetHold, periods_at
+from app.budgets.guard import BudgetGuard, BudgetHold, periods_at
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
 from app.budgets.redis_backend import RedisBudgets

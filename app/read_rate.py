@@ -1,14 +1,14 @@
-"""ReadBudget: a token bucket per tenant for the read routes (/v1/models, /v1/usage, /v1/limits).
+"""ReadRate: a token bucket per tenant for the read routes (/v1/models, /v1/usage, /v1/limits).
 
 Reads admit nothing through the rate limiter (a tier's rpm is for inference), yet /v1/usage over 93 days
 is one of the most expensive queries there is; a loop of them must not take the database from everyone.
-Kept per ingress replica, in memory: a budget, not a bill, and no round trip on the read path.
+Kept per ingress replica, in memory: a rate, not a bill, and no round trip on the read path.
 """
 
 MAX_TENANTS = 100_000
 
 
-class ReadBudget:
+class ReadRate:
     def __init__(self, *, per_minute: int, burst: int) -> None:
         self.per_minute = per_minute
         self._rate = per_minute / 60.0  # tokens per second

@@ -5,7 +5,7 @@ from decimal import Decimal
 
 from starlette.concurrency import run_in_threadpool
 
-from app.budget_guard import BudgetGuard, periods_at
+from app.budgets.guard import BudgetGuard, periods_at
 from app.schemas.budgets import BudgetOut, CreditEntryOut, SpendLimitOut
 from billing import credit, repository
 from billing.micros import from_micros

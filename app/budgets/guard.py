@@ -22,9 +22,9 @@ from decimal import Decimal
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app.budgets.price_cache import PriceCache
 from app.budgets.protocol import BudgetBackend, BudgetView, Hold, Periods
 from app.errors import BudgetUnavailable, InsufficientQuota
-from app.price_cache import PriceCache
 from billing import credit
 from billing.micros import from_micros, to_micros
 from billing.price_book import Metered, cost_of, worst_case
