@@ -44,7 +44,7 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.cpu_features import cpu_features
 from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.lora_layers import load_adapter_into_slot
+from deployments.engine.model.lora_layers import load_adapter_into_slot
 from deployments.engine.sampling_params import SamplingParams
 
 

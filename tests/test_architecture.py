@@ -66,8 +66,11 @@ DYNAMIC: dict[tuple[str, str], str] = {
     (INTERFACE, "deployments.engine.async_engine"): "lazy: importing the interface must not import torch",
     (INTERFACE, "deployments.engine.local_client"): "lazy: importing the interface must not import torch",
     (INTERFACE, "*"): "the lazy table above, read by module __getattr__",
-    ("deployments.engine.gpu_kernels._triton", "*"): "triton only where it is installed (CUDA images)",
-    ("deployments.engine.native_kernel", "deployments.engine.native_kernel"): "compiles in a child process",
+    ("deployments.engine.model.gpu_kernels._triton", "*"): "triton only where it is installed (CUDA images)",
+    (
+        "deployments.engine.model.native_kernel",
+        "deployments.engine.model.native_kernel",
+    ): "compiles in a child process",
     ("app.dependency_noise", "*"): "imports third-party modules early to silence their import-time noise",
     ("bench.gpu_kernels", "bitsandbytes"): "untyped, only on a GPU machine",
     ("bench.gpu_check", "*"): "reads installed packages' versions by name",

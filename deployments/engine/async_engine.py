@@ -32,7 +32,7 @@ from deployments.engine.errors import (
     RequestFailed,
 )
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.model_loader import LoadedModel
+from deployments.engine.model.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
 from deployments.engine.sampling_params import StructuredOutput

@@ -29,18 +29,18 @@ from deployments.engine.errors import (
     QueueShareExceeded,
     RequestFailed,
 )
-from deployments.engine.kv_cache import KVCache
 from deployments.engine.logits_processor import LogitsProcessor, Token
 from deployments.engine.logprobs import prompt_positions
-from deployments.engine.lora_kernels import select_kernel
-from deployments.engine.model_loader import LoadedModel, load_model
-from deployments.engine.model_runner import ModelRunner
+from deployments.engine.model.kv_cache import KVCache
+from deployments.engine.model.lora_kernels import select_kernel
+from deployments.engine.model.model_loader import LoadedModel, load_model
+from deployments.engine.model.model_runner import ModelRunner
 from deployments.engine.output_assembler import OutputAssembler
 from deployments.engine.outputs import EngineStats, RequestOutput, RequestUsage, TokenLogprob
 from deployments.engine.request import EngineRequest
 from deployments.engine.sampler import Sampler
-from deployments.engine.scheduler import ScheduledSequence, Scheduler
-from deployments.engine.sequence import Sequence
+from deployments.engine.scheduler import Scheduler
+from deployments.engine.sequence import ScheduledSequence, Sequence
 from deployments.engine.sequence_builder import SequenceBuilder
 
 if TYPE_CHECKING:

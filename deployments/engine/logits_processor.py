@@ -15,8 +15,7 @@ import torch
 from deployments.engine.logprobs import logprob_table, read_logprobs, token_logprobs
 from deployments.engine.outputs import TokenLogprob
 from deployments.engine.sampler import Sampler, SamplingRow
-from deployments.engine.scheduler import ScheduledSequence
-from deployments.engine.sequence import Sequence
+from deployments.engine.sequence import ScheduledSequence, Sequence
 
 log = logging.getLogger(__name__)
 Token = int | str  # a sampled token, or why the row could not be sampled

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deployments.engine.interface import EngineRequest, SamplingParams
-from deployments.engine.kv_cache import KVCache
+from deployments.engine.model.kv_cache import KVCache
 from tests.engine.helpers import make_engine
 from tests.model_fixtures import TinySetup
 
