@@ -30,7 +30,7 @@ from bench.assets import ensure_bench_assets
 from bench.grammar_libraries import SCHEMAS, percentile
 from bench.measure import Interleaved, machine
 from deployments.engine.config import EngineConfig
-from deployments.engine.grammar import GrammarCompiler, GrammarMatcher
+from deployments.engine.grammar.compiler import GrammarCompiler, GrammarMatcher
 from deployments.engine.interface import EngineRequest, SamplingParams, StructuredOutput
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sequence import ScheduledSequence

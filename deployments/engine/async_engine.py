@@ -39,8 +39,8 @@ from deployments.engine.sampling_params import StructuredOutput
 from deployments.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from deployments.engine.grammar import CompiledGrammar
-    from deployments.engine.grammar_pool import GrammarPool
+    from deployments.engine.grammar.compiler import CompiledGrammar
+    from deployments.engine.grammar.pool import GrammarPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -139,8 +139,8 @@ class AsyncEngine:
         thread took is dropped and refused as overload (503); one that was running is refused (400), and so
         is its schema for this tenant for grammar_refusal_ttl_s (it still runs to its end: compiles cannot
         be stopped, but their work is metered by the library's limits). A long queue refuses at once."""
-        from deployments.engine.grammar import GrammarRefused
-        from deployments.engine.grammar_pool import GrammarPool
+        from deployments.engine.grammar.compiler import GrammarRefused
+        from deployments.engine.grammar.pool import GrammarPool
 
         config = self.engine.config
         grammars = self.engine.grammars

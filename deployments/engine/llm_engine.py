@@ -44,7 +44,7 @@ from deployments.engine.sequence import ScheduledSequence, Sequence
 from deployments.engine.sequence_builder import SequenceBuilder
 
 if TYPE_CHECKING:
-    from deployments.engine.grammar import CompiledGrammar, GrammarCompiler
+    from deployments.engine.grammar.compiler import CompiledGrammar, GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class LLMEngine:
         cheaply: it converts the tokenizer on its first compile)."""
         with self._grammars_lock:  # callers on several threads must all get the one cache
             if self._grammars is None:
-                from deployments.engine.grammar import GrammarCompiler
+                from deployments.engine.grammar.compiler import GrammarCompiler
 
                 self._grammars = GrammarCompiler(
                     self.tokenizer, self.vocab_size, sorted(self.loaded.eos_token_ids)

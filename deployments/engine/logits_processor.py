@@ -156,7 +156,7 @@ class LogitsProcessor:
         masked = [i for i, s in enumerate(sampling) if s.seq.matcher is not None]
         if not masked:
             return
-        from deployments.engine.grammar import new_bitmask, unpack_bitmask
+        from deployments.engine.grammar.compiler import new_bitmask, unpack_bitmask
 
         bitmask = new_bitmask(len(masked), self.vocab_size)  # [M, ceil(V / 32)] int32, built on the host
         for r, i in enumerate(masked):

@@ -14,7 +14,7 @@ from deployments.engine.outputs import FinishReason, TokenLogprob
 from deployments.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deployments.engine.grammar import GrammarMatcher
+    from deployments.engine.grammar.compiler import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):

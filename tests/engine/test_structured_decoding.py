@@ -14,7 +14,7 @@ import pytest
 
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
-from deployments.engine.grammar import CompiledGrammar
+from deployments.engine.grammar.compiler import CompiledGrammar
 from deployments.engine.interface import (
     EngineOverloaded,
     EngineRequest,
