@@ -124,9 +124,9 @@ def decode_tok_s(
     while engine.has_unfinished():
         start = time.perf_counter()
         engine.step()
-        if engine.last_step_tokens == len(requests):  # a pure decode step of the whole batch
+        if engine.counters.last_step_tokens == len(requests):  # a pure decode step of the whole batch
             elapsed += time.perf_counter() - start
-            tokens += engine.last_step_tokens
+            tokens += engine.counters.last_step_tokens
     assert tokens == steps * len(requests), (tokens, steps)
     return tokens / elapsed
 
