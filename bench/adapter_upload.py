@@ -131,7 +131,7 @@ def main() -> None:
             {"hot": partial(hot, server.url), "restart": lambda: restart_to_serve(config, uploaded[-1])},
             repeats=args.uploads,
         ).run()
-    manager = engine.engine.adapters
+    manager = engine.adapters
     disk_to_cpu_ms = manager.cpu.load_seconds / max(1, manager.cpu.loads) * 1e3
     cpu_to_slot_ms = manager.activation_seconds / max(1, manager.slots.loads) * 1e3
     watcher.stop()

@@ -1,5 +1,6 @@
-"""An AWQ base through our int4 linear (deployments/engine/awq_base.py) against the same model in bf16, in
-one run: correctness of the linear against the dequantized reference, and the decode step, interleaved.
+"""An AWQ base through our int4 linear (deployments/engine/model/awq_base.py) against the same model
+in bf16, in one run: correctness of the linear against the dequantized reference, and the decode step,
+interleaved.
 
   correctness: the first layer's gate projection of the AWQ engine, each side (fused GEMM, dequantize +
                matmul) at 1, 16, 32 and 256 rows, against x @ the fp32 dequantized weight (max error
@@ -29,10 +30,10 @@ from app.modelprep.awq_export import export_awq
 from bench.assets import BENCH_DIR, ensure_bench_assets
 from bench.measure import machine
 from bench.multi_lora import decode_tok_s, make_requests
-from deployments.engine.awq_base import AwqLinear, dequantize_in_torch
 from deployments.engine.config import EngineConfig
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.lora_layers import MultiLoRALinear
+from deployments.engine.model.awq_base import AwqLinear, dequantize_in_torch
+from deployments.engine.model.lora_layers import MultiLoRALinear
 
 ALWAYS_FUSED = 1 << 30
 

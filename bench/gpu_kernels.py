@@ -1,4 +1,4 @@
-"""The GPU engine's Triton kernels (deployments/engine/gpu_kernels) against the torch code they replace.
+"""The GPU engine's Triton kernels (deployments/engine/model/gpu_kernels) against the torch code they replace.
 
 One decode step's calls of one layer of bench-1b (TinyLlama-1.1B's shape: hidden 2048, 32 heads, 4 kv heads,
 head_dim 64, intermediate 5632) at batch 32 with 16 rank-16 adapters, each kernel against its torch peer:
@@ -121,8 +121,8 @@ def graph_timer(replay: Callable[[], object], iters: int) -> float:
 def attention_peers(
     s: Shape, context: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Callable[[], object]]:
-    from deployments.engine.attention import _gather_blocks
-    from deployments.engine.gpu_kernels.paged_attention import paged_decode_attention
+    from deployments.engine.model.attention import _gather_blocks
+    from deployments.engine.model.gpu_kernels.paged_attention import paged_decode_attention
 
     width = -(-context // s.block_size)
     num_blocks = s.batch * width
@@ -156,9 +156,9 @@ def prefill_peers(
     """One layer's attention over chunks of `lengths` new tokens, each after `cached` cached positions, as
     attention.attend runs it: split (TorchOps: decode rows batched, one SDPA call per span) and as chunks
     (TritonOps: one launch). Chunks of one token are decode rows."""
-    from deployments.engine.attention import AttentionMetadata, PrefillSpan, StepChunks, attend
-    from deployments.engine.gpu_kernels.paged_attention import paged_decode_attention
-    from deployments.engine.gpu_kernels.prefill_attention import paged_prefill_attention
+    from deployments.engine.model.attention import AttentionMetadata, PrefillSpan, StepChunks, attend
+    from deployments.engine.model.gpu_kernels.paged_attention import paged_decode_attention
+    from deployments.engine.model.gpu_kernels.prefill_attention import paged_prefill_attention
 
     bs, n = s.block_size, len(lengths)
     width = -(-(cached + max(lengths)) // bs)
@@ -204,7 +204,7 @@ def prefill_peers(
 def rotary_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Callable[[], object]]:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from deployments.engine.gpu_kernels.rotary_cache import rotary_and_cache, rotary_table
+    from deployments.engine.model.gpu_kernels.rotary_cache import rotary_and_cache, rotary_table
 
     max_pos, t = 4096, s.batch
     qkv = torch.randn(t, (s.heads + 2 * s.kv_heads) * s.head_dim, dtype=dtype, device=device)
@@ -233,7 +233,7 @@ def rotary_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str
 def rms_norm_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Callable[[], object]]:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from deployments.engine.gpu_kernels.rms_norm import rms_norm
+    from deployments.engine.model.gpu_kernels.rms_norm import rms_norm
 
     norm = LlamaRMSNorm(s.hidden, eps=1e-5).to(device=device, dtype=dtype)
     x = torch.randn(s.batch, s.hidden, dtype=dtype, device=device)
@@ -246,7 +246,7 @@ def rms_norm_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[s
 
 
 def silu_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Callable[[], object]]:
-    from deployments.engine.gpu_kernels.activation import silu_and_mul
+    from deployments.engine.model.gpu_kernels.activation import silu_and_mul
 
     gate_up = torch.randn(s.batch, 2 * s.inter, dtype=dtype, device=device)
     out = torch.empty(s.batch, s.inter, dtype=dtype, device=device)
@@ -266,9 +266,9 @@ def lora_peers(
 ) -> dict[str, Callable[[], object]]:
     """One projection group's adapters over `tokens` (default: the decode batch) spread evenly over the
     adapters: today's per-member kernel, our fused one-launch kernel, and our shrink + expand pair."""
-    from deployments.engine.gpu_kernels.lora_delta import lora_delta
-    from deployments.engine.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
-    from deployments.engine.lora_kernels import LoRABatch, select_kernel
+    from deployments.engine.model.gpu_kernels.lora_delta import lora_delta
+    from deployments.engine.model.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
+    from deployments.engine.model.lora_kernels import LoRABatch, select_kernel
 
     t = tokens or s.batch
     per = t // s.adapters
@@ -328,8 +328,8 @@ def awq_peers(
     s: Shape, dtype: torch.dtype, device: torch.device
 ) -> dict[str, dict[str, Callable[[], object]]]:
     """The gate projection's weights in AWQ int4: dequantization alone, and the whole linear at the batch."""
-    from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
-    from deployments.engine.gpu_kernels.awq_gemm import awq_linear
+    from deployments.engine.model.gpu_kernels.awq_dequant import awq_dequantize
+    from deployments.engine.model.gpu_kernels.awq_gemm import awq_linear
 
     group, k, n = 128 if s.hidden >= 128 else 16, s.hidden, s.inter
     qweight = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device=device)
@@ -375,8 +375,8 @@ def nf4_peers(
 ) -> dict[str, dict[str, Callable[[], object]]]:
     """Per name (rows, in, out): the module's forward, ours, and the dense matmul; `_kernel` forces our
     GEMM kernel past DEQUANT_ABOVE rows."""
-    from deployments.engine.gpu_kernels.nf4_gemm import nf4_linear
-    from deployments.engine.nf4_base import NF4Base
+    from deployments.engine.model.gpu_kernels.nf4_gemm import nf4_linear
+    from deployments.engine.model.nf4_base import NF4Base
 
     groups: dict[str, dict[str, Callable[[], object]]] = {}
     for name, (rows, k, n) in shapes.items():
@@ -427,8 +427,8 @@ def nf4_groups(
 
 def sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
     """Graph-replayed microseconds of each kernel knob setting: what the defaults were chosen from."""
-    from deployments.engine.gpu_kernels.awq_gemm import awq_linear
-    from deployments.engine.gpu_kernels.prefill_attention import paged_prefill_attention
+    from deployments.engine.model.gpu_kernels.awq_gemm import awq_linear
+    from deployments.engine.model.gpu_kernels.prefill_attention import paged_prefill_attention
 
     device = torch.device("cuda")
     found: dict[str, dict[str, float]] = {}
@@ -501,7 +501,7 @@ def lora_sweep(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, 
 
     from triton.runtime.errors import OutOfResources
 
-    from deployments.engine.gpu_kernels.lora_delta import DeltaShape, delta_config, sm_count
+    from deployments.engine.model.gpu_kernels.lora_delta import DeltaShape, delta_config, sm_count
 
     found: dict[str, dict[str, float]] = {}
     for name, peers in lora_groups(s, dtype, device).items():
@@ -544,8 +544,8 @@ def layer_lora_us(kernels: dict[str, Any], mode: str) -> dict[str, float]:
 
 
 def nf4_sweep(s: Shape, dtype: torch.dtype) -> dict[str, dict[str, float]]:
-    from deployments.engine.gpu_kernels.nf4_gemm import nf4_linear
-    from deployments.engine.nf4_base import NF4Base
+    from deployments.engine.model.gpu_kernels.nf4_gemm import nf4_linear
+    from deployments.engine.model.nf4_base import NF4Base
 
     device = torch.device("cuda")
     found: dict[str, dict[str, float]] = {}
@@ -605,7 +605,7 @@ def main() -> None:
         if not args.tiny:
             parser.error("the GPU kernels bench needs CUDA (or --tiny, which runs Triton's CPU interpreter)")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of Triton
-    from deployments.engine.gpu_kernels._triton import triton
+    from deployments.engine.model.gpu_kernels._triton import triton
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"}
     if triton is None:
@@ -649,7 +649,7 @@ def main() -> None:
     if args.only:
         prefixes = tuple(args.only.split(","))
         groups = {name: peers for name, peers in groups.items() if name.startswith(prefixes)}
-    from deployments.engine.gpu_kernels.paged_attention import num_partitions
+    from deployments.engine.model.gpu_kernels.paged_attention import num_partitions
 
     result["attention_partitions"] = {
         c: num_partitions(s.batch, s.kv_heads, -(-c // s.block_size) * s.block_size, device) for c in contexts

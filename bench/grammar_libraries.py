@@ -37,7 +37,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from app.modelprep.demo_model import build_tokenizer
 from bench.measure import Interleaved, machine, spread
-from deployments.engine.grammar import LIBRARY, apply_bitmask, new_bitmask
+from deployments.engine.grammar.compiler import LIBRARY, apply_bitmask, new_bitmask
 
 S = {"type": "string", "maxLength": 12}
 SCHEMAS: list[dict[str, Any]] = [
@@ -584,7 +584,7 @@ def main() -> None:
             "compile_p50": runs.ratio("xgrammar", "llguidance"),
             "fill_p50": spread([x / g for x, g in fill]),
         }
-    result["chosen"] = LIBRARY  # what deployments/engine/grammar.py uses; see docs/decisions.md
+    result["chosen"] = LIBRARY  # what deployments/engine/grammar/compiler.py uses; see docs/decisions.md
     result["machine"] = host
     print(json.dumps(result))
 

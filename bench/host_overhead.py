@@ -100,12 +100,12 @@ def decode_round(
     """Per-step phase means over `steps` decode steps with the whole batch decoding (prefill untimed)."""
     add_batch(engine, refs, prompt_len=16, tokens=steps + 2)
     engine.step()  # the prefill: every prompt fits one step's token budget
-    while engine.has_unfinished() and engine.last_step_tokens != len(refs):
+    while engine.has_unfinished() and engine.counters.last_step_tokens != len(refs):
         engine.step()  # until the whole batch decodes
     clock.reset()
     while engine.has_unfinished():
         clock.step()
-        if engine.last_step_tokens != len(refs):  # the last step finishes everyone: not a steady step
+        if engine.counters.last_step_tokens != len(refs):  # the last step finishes everyone: not steady
             break
     means = clock.means_ms()  # before draining: those steps are not timed
     while engine.has_unfinished():

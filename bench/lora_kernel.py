@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from bench.measure import Interleaved, machine
-from deployments.engine.lora_kernels import (
+from deployments.engine.model.lora_kernels import (
     LoRABatch,
     LoRAKernel,
     _cpu_extension,

@@ -44,7 +44,7 @@ from deployments.engine.config import EngineConfig
 from deployments.engine.cpu_features import cpu_features
 from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.lora_layers import load_adapter_into_slot
+from deployments.engine.model.lora_layers import load_adapter_into_slot
 from deployments.engine.sampling_params import SamplingParams
 
 
@@ -124,9 +124,9 @@ def decode_tok_s(
     while engine.has_unfinished():
         start = time.perf_counter()
         engine.step()
-        if engine.last_step_tokens == len(requests):  # a pure decode step of the whole batch
+        if engine.counters.last_step_tokens == len(requests):  # a pure decode step of the whole batch
             elapsed += time.perf_counter() - start
-            tokens += engine.last_step_tokens
+            tokens += engine.counters.last_step_tokens
     assert tokens == steps * len(requests), (tokens, steps)
     return tokens / elapsed
 

@@ -87,7 +87,7 @@ def replay(
         outputs = engine.step()
         steps += 1
         batch += len(engine.scheduler.running)
-        if engine.last_step_tokens == 0:  # everyone waits for an adapter load: let the loader run
+        if engine.counters.last_step_tokens == 0:  # everyone waits for an adapter load: let the loader run
             time.sleep(0.0005)
         t = time.perf_counter() - start
         for out in outputs:

@@ -30,10 +30,10 @@ from bench.assets import ensure_bench_assets
 from bench.grammar_libraries import SCHEMAS, percentile
 from bench.measure import Interleaved, machine
 from deployments.engine.config import EngineConfig
-from deployments.engine.grammar import GrammarCompiler, GrammarMatcher
+from deployments.engine.grammar.compiler import GrammarCompiler, GrammarMatcher
 from deployments.engine.interface import EngineRequest, SamplingParams, StructuredOutput
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.scheduler import ScheduledSequence
+from deployments.engine.sequence import ScheduledSequence
 
 # Free strings and arrays, as users write them: the random model never closes a string, so every constrained
 # row runs to max_tokens like the free rows (EOS ignored), and ends by the budget-aware closing. Both peers

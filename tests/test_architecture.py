@@ -26,6 +26,7 @@ tree and prove the checker reports it. `python -m tests.test_architecture` print
 
 import ast
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -70,8 +71,11 @@ DYNAMIC: dict[tuple[str, str], str] = {
     (INTERFACE, "deployments.engine.async_engine"): "lazy: importing the interface must not import torch",
     (INTERFACE, "deployments.engine.local_client"): "lazy: importing the interface must not import torch",
     (INTERFACE, "*"): "the lazy table above, read by module __getattr__",
-    ("deployments.engine.gpu_kernels._triton", "*"): "triton where installed (CUDA, dev extras)",
-    ("deployments.engine.native_kernel", "deployments.engine.native_kernel"): "compiles in a child process",
+    ("deployments.engine.model.gpu_kernels._triton", "*"): "triton where installed (CUDA, dev extras)",
+    (
+        "deployments.engine.model.native_kernel",
+        "deployments.engine.model.native_kernel",
+    ): "compiles in a child process",
     ("app.dependency_noise", "*"): "a noisy third-party import, its output discarded",
     ("bench.gpu_kernels", "bitsandbytes"): "bound as Any: bitsandbytes is untyped",
     ("bench.gpu_check", "*"): "reads installed packages' versions by name",
@@ -83,6 +87,12 @@ DYNAMIC: dict[tuple[str, str], str] = {
     ("bench.load.platform", "bench.ray_ops"): "Ray operations as child processes of the load test",
 }
 STATUS_MODULE = "app.errors"
+# The engine's model side (deployments/engine/model/) is a layer below the rest of the engine: it runs the
+# step it is handed and knows the sequences, but none of what decides them (scheduler, engines, grammar).
+MODEL = "deployments.engine.model"
+MODEL_MAY_IMPORT = frozenset(
+    f"{ENGINE}.{name}" for name in ("config", "cpu_features", "errors", "logprobs", "outputs", "sequence")
+)
 
 
 @dataclass(frozen=True)
@@ -343,6 +353,18 @@ def boundary_violations(root: Path) -> list[str]:
     return list(dict.fromkeys(problems))  # one line per import statement and target
 
 
+def model_layer_violations(root: Path) -> list[str]:
+    """Imports from the engine's model side of engine modules outside it and above its basics."""
+    found = []
+    for imp in imports(root):
+        src, dst = imp.source, imp.target
+        above = _within(dst, ENGINE) and not _within(dst, MODEL) and dst not in MODEL_MAY_IMPORT
+        if _within(src, MODEL) and above:
+            may = sorted(MODEL_MAY_IMPORT)
+            found.append(f"{src}:{imp.line} imports {dst}: the model side may import only {may}")
+    return found
+
+
 def stale_dynamic_entries(root: Path) -> list[tuple[str, str]]:
     """DYNAMIC entries that no longer match any dynamic import (the allow-list must not rot)."""
     found = {(imp.source, imp.target) for imp in imports(root) if imp.how == "dynamic"}
@@ -460,6 +482,18 @@ def documented_table(text: str) -> dict[str, frozenset[str]]:
 
 def test_imports_respect_the_allow_lists() -> None:
     assert boundary_violations(ROOT) == []
+
+
+def test_the_model_side_imports_nothing_above_it() -> None:
+    assert model_layer_violations(ROOT) == []
+
+
+def test_importing_the_engine_interface_does_not_import_torch() -> None:
+    """The ingress imports the interface (and so the engine's config, errors, outputs): torch stays out."""
+    code = "import sys, deployments.engine.interface; assert 'torch' not in sys.modules, 'torch imported'"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_every_dynamic_import_allowed_by_name_still_exists() -> None:
@@ -673,6 +707,19 @@ def test_a_dynamic_import_named_in_the_allow_list_passes(tmp_path: Path) -> None
         },
     )
     assert boundary_violations(root) == []
+
+
+@pytest.mark.parametrize(
+    ("target", "caught"),
+    [("scheduler", True), ("llm_engine", True), ("grammar.compiler", True), ("sequence", False)],
+)
+def test_a_model_side_import_from_above_is_caught(tmp_path: Path, target: str, caught: bool) -> None:
+    path = "deployments/engine/" + target.replace(".", "/") + ".py"
+    root = _tree(
+        tmp_path, {"deployments/engine/model/runner.py": f"import deployments.engine.{target}\n", path: ""}
+    )
+    problems = model_layer_violations(root)
+    assert len(problems) == caught and all("the model side may import only" in p for p in problems), problems
 
 
 def test_a_status_chosen_outside_app_errors_is_caught(tmp_path: Path) -> None:

@@ -19,28 +19,24 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from adapters.ref import AdapterRef
 from adapters.registered_digest import DigestSource
+from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.config import EngineConfig
 from deployments.engine.errors import (
     DuplicateRequestId,
-    EngineOverloaded,
     EngineStopped,
     RequestError,
     RequestFailed,
 )
+from deployments.engine.grammar.grammars import Grammars
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.model_loader import LoadedModel
+from deployments.engine.model.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
-from deployments.engine.sampling_params import StructuredOutput
 from deployments.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from deployments.engine.grammar import CompiledGrammar
-    from deployments.engine.grammar_pool import GrammarPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,27 +57,37 @@ class AsyncEngine:
         replica_name: str | None = None,
         adapter_digests: DigestSource | None = None,
     ) -> None:
-        self.engine = LLMEngine(
+        self._engine = LLMEngine(
             config, loaded=loaded, replica_name=replica_name, adapter_digests=adapter_digests
         )
-        self.engine.adapters.on_loaded = self._wake
+        self._engine.adapters.on_loaded = self._wake
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._grammar_pool: GrammarPool[CompiledGrammar] | None = None  # made on the first compile
         self._stopped = threading.Event()
         self._error: BaseException | None = None
-        self._stats = self.engine.stats()  # replaced by the loop thread, read by anyone
+        self._stats = self._engine.stats()  # replaced by the loop thread, read by anyone
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     @property
     def config(self) -> EngineConfig:
-        return self.engine.config
+        return self._engine.config
 
     @property
     def replica_name(self) -> str:
-        return self.engine.replica_name
+        return self._engine.replica_name
+
+    @property
+    def grammars(self) -> Grammars:
+        """The engine's structured output: compiles off the loop thread, bounded (thread-safe)."""
+        return self._engine.grammars
+
+    @property
+    def adapters(self) -> AdapterManager:
+        """The engine's adapter tiers, for reading their counters (load times, loads); the loop thread owns
+        them: change them through the adapter operations below or `run_on_loop`."""
+        return self._engine.adapters
 
     @property
     def error(self) -> BaseException | None:
@@ -94,10 +100,10 @@ class AsyncEngine:
         request_id = request.request_id
         if request_id in self._streams:
             raise DuplicateRequestId(request_id)
-        seqs = self.engine.make_sequences(request)
+        seqs = self._engine.make_sequences(request)
         if request.params.structured is not None:  # compiled before queueing: a bad schema is refused here
-            grammar = await self._compile(request.params.structured, request.tenant)
-            self.engine.attach_grammar(seqs, grammar)
+            grammar = await self.grammars.compile_bounded(request.params.structured, request.tenant)
+            self.grammars.attach(seqs, grammar)
         if request.adapter is not None:  # checked before queueing: an unservable adapter is refused here
             await self._check_adapter(request.adapter)
         if request_id in self._streams:
@@ -124,58 +130,11 @@ class AsyncEngine:
         """Whether this engine can serve `ref`: its config comes from the spec cache, or is read from the
         store on the spec reader's threads (shared by concurrent requests for it); this request alone
         waits for it. Raises the adapter's named error."""
-        adapters = self.engine.adapters
+        adapters = self._engine.adapters
         spec = adapters.specs.cached(ref)
         if spec is None:  # shielded: this caller leaving must not cancel a read others share
             spec = await asyncio.shield(asyncio.wrap_future(adapters.specs.fetch(ref)))
         adapters.check_spec(spec)
-
-    async def _compile(self, spec: StructuredOutput, tenant: str | None) -> "CompiledGrammar":
-        """The grammar of `spec`, compiled on a grammar thread, never the loop thread: a request waits only
-        for its own grammar, and the batch goes on meanwhile. The tenant (`EngineRequest.tenant`, an opaque id
-        the ingress sets) owns a share of the grammar cache and takes turns on the threads.
-
-        The whole wait, queue included, is bounded by grammar_compile_timeout_s. Past it, a compile that no
-        thread took is dropped and refused as overload (503); one that was running is refused (400), and so
-        is its schema for this tenant for grammar_refusal_ttl_s (it still runs to its end: compiles cannot
-        be stopped, but their work is metered by the library's limits). A long queue refuses at once."""
-        from deployments.engine.grammar import GrammarRefused
-        from deployments.engine.grammar_pool import GrammarPool
-
-        config = self.engine.config
-        grammars = self.engine.grammars
-        try:
-            found = grammars.lookup(spec, tenant)
-            if found is not None:
-                return found
-            if self._grammar_pool is None:
-                self._grammar_pool = GrammarPool(
-                    threads=2,
-                    max_queued=config.grammar_compile_queue,
-                    tenant_share=max(1, config.grammar_compile_queue // 4),
-                )
-            pool = self._grammar_pool
-            job = pool.submit(tenant, grammars.key(spec), lambda: grammars.compile(spec, tenant))
-            waiting = asyncio.wrap_future(job.future)  # never cancelled: other requests may share the job
-            bound = config.grammar_compile_timeout_s
-            try:
-                await asyncio.wait([waiting], timeout=bound)
-            except asyncio.CancelledError:
-                pool.leave(job)  # the caller left: drop the compile if nobody else waits and it has not begun
-                raise
-            if waiting.done():
-                return waiting.result()
-            if pool.leave(job):
-                raise EngineOverloaded(f"no grammar thread took the compile within {bound:g} s")
-            message = f"the schema did not compile within {bound:g} s; simplify it"
-            grammars.refuse(spec, tenant, message, ttl_s=config.grammar_refusal_ttl_s)
-            raise GrammarRefused(message, param=spec.param, reason="timeout")
-        except GrammarRefused as refused:  # a shared job's error names the first waiter's field: name ours
-            grammars.count_refusal(refused.reason)
-            raise GrammarRefused(str(refused), param=spec.param, reason=refused.reason) from None
-        except EngineOverloaded:
-            grammars.count_refusal("busy")
-            raise
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request; its stream then ends with an ABORT output carrying its usage. False if this
@@ -191,7 +150,7 @@ class AsyncEngine:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(fn(self.engine))
+                future.set_result(fn(self._engine))
             except Exception as error:
                 future.set_exception(error)
 
@@ -206,17 +165,17 @@ class AsyncEngine:
     # Adapter operations run on the loop thread between steps; errors (a ref that vanished) are logged.
 
     def pin_adapter(self, ref: AdapterRef) -> None:
-        self._submit(self._logged(lambda: self.engine.adapters.pin(ref), f"pin {ref}"))
+        self._submit(self._logged(lambda: self._engine.adapters.pin(ref), f"pin {ref}"))
 
     def unpin_adapter(self, ref: AdapterRef) -> None:
-        self._submit(lambda: self.engine.adapters.unpin(ref))
+        self._submit(lambda: self._engine.adapters.unpin(ref))
 
     def remove_adapter(self, adapter_id: str) -> None:
-        self._submit(lambda: self.engine.adapters.remove(adapter_id))
+        self._submit(lambda: self._engine.adapters.remove(adapter_id))
 
     def prefetch_adapter(self, ref: AdapterRef) -> None:
         # Only starts the load; reading the files happens in the adapter loader's threads.
-        self._submit(self._logged(lambda: self.engine.adapters.prefetch(ref), f"prefetch {ref}"))
+        self._submit(self._logged(lambda: self._engine.adapters.prefetch(ref), f"prefetch {ref}"))
 
     def reconcile_adapters(
         self, *, live: set[str], pinned: set[AdapterRef], prefetch: list[AdapterRef]
@@ -247,9 +206,7 @@ class AsyncEngine:
         self._stopped.set()
         self._wake()
         self._thread.join(timeout=30)
-        if self._grammar_pool is not None:
-            self._grammar_pool.shutdown()
-        self.engine.close()
+        self._engine.close()  # the grammar threads first, then the adapter tiers
 
     # -- loop thread ----------------------------------------------------------------------------------
 
@@ -270,7 +227,7 @@ class AsyncEngine:
         if stream is None:  # cancelled before it reached the loop
             return
         try:
-            self.engine.add_sequences(seqs)
+            self._engine.add_sequences(seqs)
         except Exception as error:  # refused (overloaded) or broken: only this request ends
             refusal: RequestError
             if isinstance(error, RequestError):
@@ -283,18 +240,18 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, refusal)
             return
         if announce:
-            accepted = RequestOutput(request_id, "", usage=self.engine.usage_of(seqs), accepted=True)
+            accepted = RequestOutput(request_id, "", usage=self._engine.usage_of(seqs), accepted=True)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, accepted)
 
     def _forget(self, request_id: str) -> None:
         """Take out whatever part of a request its failed queueing left in the engine."""
         try:
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
         except Exception:
             log.exception("request %s: cleaning up after it failed", request_id)
 
     def _abort(self, request_id: str) -> bool:
-        outputs = self.engine.abort(request_id)
+        outputs = self._engine.abort(request_id)
         self._deliver(outputs)
         return bool(outputs)
 
@@ -302,13 +259,13 @@ class AsyncEngine:
         try:
             while not self._stopped.is_set():
                 self._drain_inbox()
-                self.engine.adapters.load_pinned()  # also when idle: a pin takes its slot right away
-                busy = self.engine.has_unfinished()
-                outputs = self.engine.step() if busy else []
-                self._stats = self.engine.stats()  # before delivering: a caller who saw an output sees this
+                self._engine.adapters.load_pinned()  # also when idle: a pin takes its slot right away
+                busy = self._engine.has_unfinished()
+                outputs = self._engine.step() if busy else []
+                self._stats = self._engine.stats()  # before delivering: a caller who saw an output sees this
                 if outputs:
                     self._deliver(outputs)
-                if (not busy or self.engine.last_step_tokens == 0) and self._inbox.empty():
+                if (not busy or self._engine.counters.last_step_tokens == 0) and self._inbox.empty():
                     # Idle, or every waiting request waits on an adapter load: sleep until woken.
                     self._wakeup.wait(timeout=0.05 if busy else 1.0)
                     self._wakeup.clear()

@@ -1,13 +1,17 @@
 """EngineConfig: everything one engine replica needs to know, validated up front."""
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from adapters.store import store_location
 from deployments.engine.cpu_features import cpu_features
+
+# torch is imported where a device or dtype is resolved: importing the config (the ingress does, through
+# the interface) must not import torch.
+if TYPE_CHECKING:
+    import torch
 
 Quantization = Literal["none", "nf4", "int8", "awq"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -225,16 +229,20 @@ class EngineConfig(BaseModel):
     def name(self) -> str:
         return self.served_model_name or self.model.name
 
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
         return self.dtype_choice()[0]
 
-    def dtype_choice(self) -> tuple[torch.dtype, str]:
+    def dtype_choice(self) -> "tuple[torch.dtype, str]":
         """The compute dtype and why it was chosen (logged at load)."""
+        import torch
+
         if self.dtype != "auto":
             named = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
             return named[self.dtype], "set in the config"

@@ -76,7 +76,7 @@ class EngineClient(Protocol):
 def build_native_kernel() -> "Path | None":
     """Build the native CPU LoRA kernel for this machine unless it is built (engines never build it:
     they load what is there). Returns the library, or None if it cannot be built here."""
-    from deployments.engine import native_kernel
+    from deployments.engine.model import native_kernel
 
     return native_kernel.build()
 

@@ -11,40 +11,25 @@ log with the request id.
 import logging
 import os
 import socket
-import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from adapters.registered_digest import DigestSource
-from adapters.store import AdapterStore
-from deployments.engine.adapter_tiers.manager import AdapterManager
-from deployments.engine.block_manager import BlockManager
 from deployments.engine.config import EngineConfig
+from deployments.engine.engine_parts import EngineCounters, build_engine_parts
 from deployments.engine.errors import (
-    BudgetTooSmall,
     DuplicateRequestId,
     EngineOverloaded,
     QueueShareExceeded,
     RequestFailed,
 )
-from deployments.engine.kv_cache import KVCache
-from deployments.engine.logits_processor import LogitsProcessor, Token
+from deployments.engine.logits_processor import Token
 from deployments.engine.logprobs import prompt_positions
-from deployments.engine.lora_kernels import select_kernel
-from deployments.engine.model_loader import LoadedModel, load_model
-from deployments.engine.model_runner import ModelRunner
-from deployments.engine.output_assembler import OutputAssembler
+from deployments.engine.model.model_loader import LoadedModel, load_model
 from deployments.engine.outputs import EngineStats, RequestOutput, RequestUsage, TokenLogprob
 from deployments.engine.request import EngineRequest
-from deployments.engine.sampler import Sampler
-from deployments.engine.scheduler import ScheduledSequence, Scheduler
-from deployments.engine.sequence import Sequence
-from deployments.engine.sequence_builder import SequenceBuilder
-
-if TYPE_CHECKING:
-    from deployments.engine.grammar import CompiledGrammar, GrammarCompiler
+from deployments.engine.sequence import ScheduledSequence, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -60,154 +45,41 @@ class LLMEngine:
     ) -> None:
         """`adapter_digests`: the registry's, to check adapters read from an object store against."""
         self.config = config
-        self.loaded = loaded or load_model(config)
-        m = self.loaded
-        self.tokenizer = m.tokenizer
-        self.device = m.device
-        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            config.kv_cache_memory_mb * 2**20,
-            num_layers=m.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            dtype=m.dtype,
-        )
-        self.kv_cache = KVCache(
-            num_layers=m.num_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            dtype=m.dtype,
-            device=m.device,
-        )
-        self.max_model_len = min(m.max_model_len, num_blocks * config.block_size)
-        self.vocab_size = int(m.model.config.get_text_config().vocab_size)
-        self.blocks = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
-        )
-        self.adapters = AdapterManager(
-            AdapterStore(
-                config.adapter_store,
-                cache_dir=config.adapter_cache_dir,
-                cache_max_bytes=config.adapter_cache_mb * 2**20,
-                digests=adapter_digests,
-            ),
-            m.lora_modules,
-            max_loras=m.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
-            max_rank=config.max_lora_rank,
-            dtype=m.dtype,
-            device=m.device,
-            retry_s=config.adapter_retry_s,
-            retry_max_s=config.adapter_retry_max_s,
-        )
-        # Logits rows at prompt positions (echo): float32 logits and their log-softmax, vocab-wide each.
-        self.prompt_logprob_row_bytes = self.vocab_size * 2 * torch.float32.itemsize
-        self.prompt_logprob_rows = min(
-            config.max_num_batched_tokens,
-            config.max_prompt_logprob_rows
-            or max(1, config.prompt_logprobs_memory_mb * 2**20 // self.prompt_logprob_row_bytes),
-        )
-        self.scheduler = Scheduler(
-            self.blocks,
-            self.adapters,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_prompt_logprob_rows=self.prompt_logprob_rows,
-            max_loras=m.max_loras,
-            adapter_wait_bound_s=config.adapter_wait_bound_s,
-        )
-        dims = {config.max_lora_rank} | {
-            d for mod in m.lora_modules.values() for d in (mod.in_features, mod.out_features)
-        }
-        m.lora_context.kernel_name, m.lora_context.kernel = select_kernel(m.dtype, m.device, dims)
-        self.runner = ModelRunner(
-            m,
-            self.kv_cache,
-            max_loras=m.max_loras,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            cuda_graphs=config.cuda_graphs,
-        )
-        self.sampler = Sampler(self.vocab_size, m.device, seed=config.seed)
-        self.logits = LogitsProcessor(self.sampler, self.vocab_size, m.eos_token_ids)
-        self.sequences = SequenceBuilder(
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            max_waiting=config.max_waiting,
-            device=self.device,
-        )
         # Usage rows name the replica that served them; a Serve replica passes its own id.
         self.replica_name = replica_name or f"{socket.gethostname()}:{os.getpid()}"
-        self.outputs = OutputAssembler(
-            self.scheduler,
-            self.tokenizer,
-            eos_token_ids=m.eos_token_ids,
-            max_model_len=self.max_model_len,
+        parts = build_engine_parts(
+            config,
+            loaded or load_model(config),
             replica_name=self.replica_name,
+            adapter_digests=adapter_digests,
         )
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()
+        self.loaded = parts.loaded
+        self.tokenizer = parts.loaded.tokenizer
+        self.device = parts.loaded.device
+        self.kv_cache = parts.kv_cache
+        self.blocks = parts.blocks
+        self.adapters = parts.adapters
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.sampler = parts.sampler
+        self.logits = parts.logits
+        self.sequences = parts.sequences
+        self.outputs = parts.outputs
+        self.grammars = parts.grammars  # structured output: compile, its threads, bounds and refusals
+        self.max_model_len = parts.memory.max_model_len
+        self.vocab_size = parts.memory.vocab_size
+        self.prompt_logprob_rows = parts.memory.prompt_logprob_rows
+        self.prompt_logprob_row_bytes = parts.memory.prompt_logprob_row_bytes
+        self.memory_plan = parts.memory.bytes
+        self.counters = EngineCounters()
         self._started = time.monotonic()
-        self.busy_seconds = 0.0
-        self.steps = 0
-        self.last_step_tokens = 0
-        self.adapter_requests = 0
-        self.adapter_arrival_hits = 0
-        self.aborts = 0  # requests stopped by abort() while still running or waiting
-        self.prefill_tokens = 0  # prompt tokens run through the model (prefix-cache hits are not)
-        # Where the memory goes: what the operator sizes with kv_cache_memory_mb, lora_memory_mb and
-        # prompt_logprobs_memory_mb, plus what the engine adds itself (step buffers, captured decode graphs).
-        self.memory_plan = {
-            "weights": m.weights_bytes,
-            "kv_cache": self.kv_cache.nbytes,
-            "lora_slots": m.lora_slot_bytes,
-            "prompt_logprob_rows": self.prompt_logprob_rows * self.prompt_logprob_row_bytes,
-            "step_buffers": self.runner.step_buffer_bytes,
-            "decode_graphs": self.runner.graph_pool_bytes,
-        }
-        log.info(
-            "engine ready: %d KV blocks x %d tokens, prompt logprobs %d rows a step, max_model_len %d, "
-            "LoRA kernel %s; memory (MiB): %s",
-            num_blocks,
-            config.block_size,
-            self.prompt_logprob_rows,
-            self.max_model_len,
-            m.lora_context.kernel_name,
-            ", ".join(f"{k} {v / 2**20:.1f}" for k, v in self.memory_plan.items()),
-        )
 
     # -- requests -------------------------------------------------------------------------------------
 
     def make_sequences(self, request: EngineRequest) -> list[Sequence]:
         """Validate a request's own input and build its sequences (any thread: see SequenceBuilder). A
-        structured-output grammar is attached by the caller (`attach_grammar`)."""
+        structured-output grammar is attached by the caller (`grammars.attach`)."""
         return self.sequences.build(request)
-
-    @property
-    def grammars(self) -> "GrammarCompiler":
-        """Compiles structured-output grammars for this model's tokenizer (thread-safe; made on first use,
-        cheaply: it converts the tokenizer on its first compile)."""
-        with self._grammars_lock:  # callers on several threads must all get the one cache
-            if self._grammars is None:
-                from deployments.engine.grammar import GrammarCompiler
-
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, sorted(self.loaded.eos_token_ids)
-                )
-            return self._grammars
-
-    @staticmethod
-    def attach_grammar(seqs: list[Sequence], grammar: "CompiledGrammar") -> None:
-        """Give each sequence its grammar state; raises BudgetTooSmall (nothing attached) when the output
-        could not complete within the sequences' max_tokens (every choice has the same)."""
-        minimum = grammar.min_tokens
-        if minimum is not None and seqs and seqs[0].max_tokens < minimum:
-            raise BudgetTooSmall(seqs[0].max_tokens, minimum)
-        for seq in seqs:
-            seq.matcher = grammar.matcher()
 
     def add_sequences(self, seqs: list[Sequence]) -> None:
         """Queue one request's sequences; raises a named error if the engine cannot take it now. The
@@ -229,9 +101,9 @@ class LLMEngine:
                 f"its share while others wait is {share}"
             )
         adapter = seqs[0].adapter
-        if adapter is not None:
-            self.adapter_requests += 1  # routing quality: did the request find its adapter already here?
-            self.adapter_arrival_hits += adapter in self.adapters.held()
+        if adapter is not None:  # routing quality: did the request find its adapter already here?
+            self.counters.adapter_requests += 1
+            self.counters.adapter_arrival_hits += adapter in self.adapters.held()
         self.outputs.register(seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -241,7 +113,7 @@ class LLMEngine:
         config here, if it has them)."""
         seqs = self.make_sequences(request)
         if request.params.structured is not None:
-            self.attach_grammar(seqs, self.grammars.compile(request.params.structured))
+            self.grammars.attach(seqs, self.grammars.compile(request.params.structured))
         if request.adapter is not None:
             self.adapters.check(request.adapter)
         self.add_sequences(seqs)
@@ -254,7 +126,7 @@ class LLMEngine:
         were still running (empty if the request is unknown or already finished)."""
         if request_id not in self.outputs.groups:
             return []
-        self.aborts += 1
+        self.counters.aborts += 1
         return self.outputs.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -265,7 +137,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.adapters.load_pinned()
         plan = self.scheduler.schedule()
-        self.last_step_tokens = plan.num_tokens
+        self.counters.last_step_tokens = plan.num_tokens
         outputs: list[RequestOutput] = []
         for seq in plan.failed:
             outputs += self.outputs.fail_group(seq, seq.error or RequestFailed())
@@ -317,9 +189,10 @@ class LLMEngine:
         for s in scheduled:
             s.seq.metrics.gpu_time += elapsed * s.num_tokens / total
             prompt_end = min(s.seq.num_computed + s.num_tokens, s.seq.num_prompt_tokens)
-            self.prefill_tokens += max(0, prompt_end - s.seq.num_computed)  # num_computed has not moved yet
-        self.busy_seconds += elapsed
-        self.steps += 1
+            # num_computed has not moved yet
+            self.counters.prefill_tokens += max(0, prompt_end - s.seq.num_computed)
+        self.counters.busy_seconds += elapsed
+        self.counters.steps += 1
 
     def usage_of(self, seqs: "Sequence | list[Sequence]") -> RequestUsage:
         return self.outputs.usage_of(seqs)
@@ -339,23 +212,24 @@ class LLMEngine:
             free_slots=slots.num_free,
             device_adapters=[str(r) for r in slots.resident()],
             cpu_adapters=[str(r) for r in self.adapters.cpu.resident()],
-            busy_seconds=self.busy_seconds,
+            busy_seconds=self.counters.busy_seconds,
             wall_seconds=time.monotonic() - self._started,
-            steps=self.steps,
+            steps=self.counters.steps,
             preemptions=self.scheduler.num_preemptions,
             prefix_hit_rate=self.blocks.prefix_hits / max(1, self.blocks.prefix_queries),
             adapter_loads=slots.loads,
             adapter_evictions=slots.evictions,
-            adapter_requests=self.adapter_requests,
-            adapter_arrival_hits=self.adapter_arrival_hits,
-            aborts=self.aborts,
+            adapter_requests=self.counters.adapter_requests,
+            adapter_arrival_hits=self.counters.adapter_arrival_hits,
+            aborts=self.counters.aborts,
             generated_tokens=self.generated_tokens,
-            prefill_tokens=self.prefill_tokens,
+            prefill_tokens=self.counters.prefill_tokens,
             adapter_disk_loads=dict(self.adapters.disk_loads),
-            grammar_refusals=self._grammars.refusals() if self._grammars is not None else {},
+            grammar_refusals=self.grammars.refusals(),
             adapter_load_failures=dict(self.adapters.cpu.load_failures),
             adapter_load_retries=dict(self.adapters.cpu.load_retries),
         )
 
     def close(self) -> None:
+        self.grammars.shutdown()
         self.adapters.close()

@@ -15,8 +15,7 @@ import torch
 from deployments.engine.logprobs import logprob_table, read_logprobs, token_logprobs
 from deployments.engine.outputs import TokenLogprob
 from deployments.engine.sampler import Sampler, SamplingRow
-from deployments.engine.scheduler import ScheduledSequence
-from deployments.engine.sequence import Sequence
+from deployments.engine.sequence import ScheduledSequence, Sequence
 
 log = logging.getLogger(__name__)
 Token = int | str  # a sampled token, or why the row could not be sampled
@@ -157,7 +156,7 @@ class LogitsProcessor:
         masked = [i for i, s in enumerate(sampling) if s.seq.matcher is not None]
         if not masked:
             return
-        from deployments.engine.grammar import new_bitmask, unpack_bitmask
+        from deployments.engine.grammar.compiler import new_bitmask, unpack_bitmask
 
         bitmask = new_bitmask(len(masked), self.vocab_size)  # [M, ceil(V / 32)] int32, built on the host
         for r, i in enumerate(masked):

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerBase
 from deployments.engine.detokenizer import IncrementalDetokenizer
 from deployments.engine.errors import RequestError, RequestFailed
 from deployments.engine.outputs import FinishReason, RequestOutput, RequestUsage, TokenLogprob
-from deployments.engine.scheduler import ScheduledSequence, Scheduler
-from deployments.engine.sequence import Sequence
+from deployments.engine.scheduler import Scheduler
+from deployments.engine.sequence import ScheduledSequence, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -23,25 +23,9 @@ from deployments.engine.block_manager import BlockManager
 from deployments.engine.errors import RequestFailed
 from deployments.engine.logprobs import prompt_positions
 from deployments.engine.outputs import FinishReason
-from deployments.engine.sequence import Sequence, SequenceStatus
+from deployments.engine.sequence import ScheduledSequence, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    num_tokens: int  # new tokens this step: 1 for a decode, a chunk for a prefill
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the last known token, so the step yields its next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
-
-    @property
-    def draws(self) -> bool:
-        """True when the step samples a token for it (a prompt-only request, max_tokens 0, never does)."""
-        return self.samples and self.seq.max_tokens > 0
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Sequence: one request's state inside the engine, from arrival to finish."""
+"""Sequence: one request's state inside the engine, from arrival to finish; ScheduledSequence: its part of
+one step (the scheduler's plan, the model side's input)."""
 
 import enum
 import time
@@ -13,7 +14,7 @@ from deployments.engine.outputs import FinishReason, TokenLogprob
 from deployments.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deployments.engine.grammar import GrammarMatcher
+    from deployments.engine.grammar.compiler import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -117,3 +118,21 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """A sequence the scheduler chose for the next step, and how many of its tokens run in it."""
+
+    seq: Sequence
+    num_tokens: int  # new tokens this step: 1 for a decode, a chunk for a prefill
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so the step yields its next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+    @property
+    def draws(self) -> bool:
+        """True when the step samples a token for it (a prompt-only request, max_tokens 0, never does)."""
+        return self.samples and self.seq.max_tokens > 0

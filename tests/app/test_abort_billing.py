@@ -89,7 +89,7 @@ class SlowSteps:
     """Each engine step takes at least `step_s` and is counted, so a test can act mid-prefill."""
 
     def __init__(self, served: Served, step_s: float) -> None:
-        self.runner = served.engine.engine.runner
+        self.runner = served.engine._engine.runner
         self.inner = self.runner.run
         self.step_s = step_s
         self.steps = 0

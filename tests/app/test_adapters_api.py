@@ -245,7 +245,7 @@ def test_pin_keeps_it_in_a_device_slot(served: Served) -> None:
         ref = str(AdapterRef(created["id"], 1))
         wait_until(lambda: ref in served.engine.stats().device_adapters)
         admin.patch(f"/admin/adapters/{created['id']}", json={"pinned": False})
-    wait_until(lambda: AdapterRef(created["id"], 1) not in served.engine.engine.adapters.slots.pinned)
+    wait_until(lambda: AdapterRef(created["id"], 1) not in served.engine.adapters.slots.pinned)
 
 
 def test_admin_listing_filters(served: Served) -> None:

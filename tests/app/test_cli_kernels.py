@@ -6,7 +6,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from app.cli import build_app
-from deployments.engine import native_kernel
+from deployments.engine.model import native_kernel
 
 
 def test_build_names_the_kernel_already_built_without_building_again(tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ def test_a_completed_request_is_counted_with_its_tokens_and_timings(served: Serv
     if usage["completion_tokens"] > 1:
         assert len(MEMORY.observations("loraplex_time_per_output_token_ms", **tags)) == 1
     [series] = [s for s in MEMORY.series("loraplex_requests") if s["tenant"] == tenant_id]
-    assert series["engine_replica"] == served.engine.engine.replica_name
+    assert series["engine_replica"] == served.engine.replica_name
 
 
 def test_a_rate_limited_request_is_counted_as_rejected(served: Served) -> None:

@@ -30,7 +30,7 @@ async def test_a_dead_engine_loop_fails_streams_and_the_health_check(
     def dies() -> None:
         raise MemoryError("the loop thread's step blew up")
 
-    monkeypatch.setattr(replica.engine.engine, "step", dies)
+    monkeypatch.setattr(replica.engine._engine, "step", dies)
     with pytest.raises(EngineStopped, match="blew up"):
         async for _ in replica.generate(EngineRequest("doomed", [4, 5, 6], params)):
             pass

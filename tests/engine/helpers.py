@@ -62,7 +62,7 @@ def drain(engine: LLMEngine, max_steps: int = 5000) -> dict[str, list[RequestOut
             return outputs
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
-        if engine.last_step_tokens == 0:  # only adapter loads are pending: give them time
+        if engine.counters.last_step_tokens == 0:  # only adapter loads are pending: give them time
             time.sleep(0.002)
     raise AssertionError("engine did not finish")
 

@@ -10,7 +10,7 @@ import os
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from deployments.engine.gpu_kernels import nf4_gemm
+from deployments.engine.model.gpu_kernels import nf4_gemm
 
 GEMM_ARGS: list[str] = nf4_gemm._nf4_gemm_kernel.arg_names[:15]  # the runtime arguments, constexprs after
 # What Triton's launcher specializes for bench-1b's shapes: 16-byte aligned pointers, ints divisible by 16.

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from deployments.engine.gpu_kernels import paged_attention, prefill_attention
+from deployments.engine.model.gpu_kernels import paged_attention, prefill_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

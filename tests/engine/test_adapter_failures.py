@@ -191,7 +191,7 @@ async def test_files_vanished_fail_their_requests_until_a_retry_after_the_backof
     once; once the files are back, a request after the backoff loads it."""
     ref = stored("vanishing", "demo-pirate")
     version = llama.store_root / "vanishing" / "v1"
-    await asyncio.to_thread(engine.engine.adapters.check, ref)
+    await asyncio.to_thread(engine.adapters.check, ref)
     shutil.move(version, tmp_path / "v1")
     before = engine.stats()
     async with Neighbour(engine, "n-vanished") as neighbour:
@@ -219,14 +219,14 @@ async def test_files_vanished_fail_their_requests_until_a_retry_after_the_backof
 async def test_a_bug_while_queueing_fails_only_that_request(
     engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    add = engine.engine.add_sequences
+    add = engine._engine.add_sequences
 
     def fragile(seqs: list[Any]) -> None:
         add(seqs)
         if seqs[0].group_id == "unlucky":  # half queued when it broke: its leftovers must go too
             raise RuntimeError("bookkeeping bug")
 
-    monkeypatch.setattr(engine.engine, "add_sequences", fragile)
+    monkeypatch.setattr(engine._engine, "add_sequences", fragile)
     async with Neighbour(engine, "n-bug") as neighbour:
         with pytest.raises(RequestFailed) as failed:
             await outputs(engine, "unlucky", SHORT)
@@ -241,7 +241,7 @@ async def test_the_store_is_never_read_on_the_loop_thread(
     """A request for a version not read yet waits on a slow store (a gate here) by itself: the neighbour
     keeps decoding meanwhile. Prefetches, pins and the registry watcher's passes read nothing there
     either."""
-    store = engine.engine.adapters.store
+    store = engine.adapters.store
     readers: list[str] = []
     gate = threading.Event()
     real = {name: getattr(store, name) for name in ("exists", "config_dir", "path")}

@@ -15,8 +15,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from deployments.engine.grammar import GrammarMatcher
-from deployments.engine.grammar_closing import Trigger
+from deployments.engine.grammar.closing import Trigger
+from deployments.engine.grammar.compiler import GrammarMatcher
 from deployments.engine.interface import EngineRequest, FinishReason, SamplingParams, StructuredOutput
 from deployments.engine.llm_engine import LLMEngine
 from tests.engine.helpers import drain, make_engine, preload, text, tokens

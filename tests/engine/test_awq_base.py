@@ -1,4 +1,4 @@
-"""Our AWQ int4 linear (deployments/engine/awq_base.py) and its loader against the CPU AWQ path
+"""Our AWQ int4 linear (deployments/engine/model/awq_base.py) and its loader against the CPU AWQ path
 (transformers + gptqmodel's TorchAtenAwqLinear) on the same checkpoint.
 
 Without CUDA our Triton kernels run through Triton's interpreter on CPU tensors (tests/triton_interpreter.py);
@@ -27,10 +27,10 @@ from app.modelprep.awq_export import (
     load_dequantized_state_dict,
     quantize_linear_weight,
 )
-from deployments.engine.awq_base import AwqLinear, dequantize_in_torch
 from deployments.engine.config import EngineConfig
 from deployments.engine.interface import EngineRequest
-from deployments.engine.model_loader import _awq_ours
+from deployments.engine.model.awq_base import AwqLinear, dequantize_in_torch
+from deployments.engine.model.model_loader import _awq_ours
 from deployments.engine.outputs import TokenLogprob
 from deployments.engine.sampling_params import SamplingParams
 from tests.engine.helpers import drain, make_engine, preload
@@ -108,7 +108,7 @@ def test_awq_linear_equals_gptqmodels_cpu_layer(packed: Packed, rows: int) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_torch_fallback_is_the_kernels_weight(packed: Packed, dtype: torch.dtype) -> None:
-    from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
+    from deployments.engine.model.gpu_kernels.awq_dequant import awq_dequantize
 
     scales = packed.scales.to(dtype)
     want = awq_dequantize(packed.qweight, packed.qzeros, scales, GROUP)

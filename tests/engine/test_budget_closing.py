@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from deployments.engine.grammar import CompiledGrammar
+from deployments.engine.grammar.compiler import CompiledGrammar
 from deployments.engine.interface import (
     BudgetTooSmall,
     EngineRequest,

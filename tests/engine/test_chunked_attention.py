@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-import deployments.engine.model_runner as model_runner
+import deployments.engine.model.model_runner as model_runner
 from deployments.engine.interface import EngineRequest, SamplingParams
-from deployments.engine.layer_ops import TorchOps
+from deployments.engine.model.layer_ops import TorchOps
 from tests.engine.helpers import drain, make_engine, preload, tokens
 from tests.engine.test_prefill_attention import reference_prefill
 from tests.engine.test_step_buffers import requests as buffer_requests

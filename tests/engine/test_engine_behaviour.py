@@ -43,7 +43,7 @@ def test_a_lone_long_prompt_is_prefilled_over_several_steps(llama: TinySetup) ->
     engine = make_engine(llama, max_num_batched_tokens=32)
     engine.add_request(EngineRequest("alone", list(range(10, 110)), GREEDY))
     outputs = drain(engine)["alone"]
-    assert engine.steps >= 4 + 11  # four chunks, then decodes
+    assert engine.counters.steps >= 4 + 11  # four chunks, then decodes
     assert len(tokens(outputs)) == 12
     engine.close()
 

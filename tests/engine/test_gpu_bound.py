@@ -33,12 +33,12 @@ def test_a_tiny_bound_stops_the_request_after_its_first_step(llama: TinySetup) -
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, n=2)
     engine.add_request(EngineRequest("bounded", [1, 2, 3], params, max_gpu_ms=bound))
     engine.add_request(EngineRequest("free", [4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True)))
-    busy = engine.busy_seconds
+    busy = engine.counters.busy_seconds
     group = engine.group("bounded")
 
     outputs = [out for out in engine.step() if out.request_id == "bounded"]
 
-    step_ms = (engine.busy_seconds - busy) * 1e3
+    step_ms = (engine.counters.busy_seconds - busy) * 1e3
     measured = sum(seq.metrics.gpu_time for seq in group) * 1e3
     assert bound <= measured <= bound + step_ms  # over by at most the step that crossed it
     finals = [out for out in outputs if out.finish_reason is not None]

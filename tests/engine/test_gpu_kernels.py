@@ -1,4 +1,4 @@
-"""The Triton kernels of deployments/engine/gpu_kernels against plain-torch and HF references.
+"""The Triton kernels of deployments/engine/model/gpu_kernels against plain-torch and HF references.
 
 Without a CUDA device the kernels run on CPU tensors through Triton's interpreter: TRITON_INTERPRET must be
 set before Triton is first imported (it picks the interpreter when it decorates a kernel, its own tl.sum
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.modelprep.awq_export import quantize_linear_weight
-from deployments.engine.gpu_kernels.activation import silu_and_mul
-from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
-from deployments.engine.gpu_kernels.awq_gemm import awq_linear
-from deployments.engine.gpu_kernels.lora_delta import (
+from deployments.engine.model.gpu_kernels.activation import silu_and_mul
+from deployments.engine.model.gpu_kernels.awq_dequant import awq_dequantize
+from deployments.engine.model.gpu_kernels.awq_gemm import awq_linear
+from deployments.engine.model.gpu_kernels.lora_delta import (
     DECODE_TOKENS,
     DEFAULT_SMS,
     DeltaConfig,
@@ -39,18 +39,18 @@ from deployments.engine.gpu_kernels.lora_delta import (
     lora_delta,
     row_tiles,
 )
-from deployments.engine.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
-from deployments.engine.gpu_kernels.nf4_gemm import default_split_k, nf4_dequantize, nf4_linear
-from deployments.engine.gpu_kernels.paged_attention import (
+from deployments.engine.model.gpu_kernels.lora_sgmv import lora_expand, lora_shrink
+from deployments.engine.model.gpu_kernels.nf4_gemm import default_split_k, nf4_dequantize, nf4_linear
+from deployments.engine.model.gpu_kernels.paged_attention import (
     _attend_kernel,
     num_partitions,
     paged_decode_attention,
 )
-from deployments.engine.gpu_kernels.rms_norm import rms_norm
-from deployments.engine.gpu_kernels.rotary_cache import rotary_and_cache, rotary_table
-from deployments.engine.lora_kernels import LoRABatch, loop_kernel
-from deployments.engine.lora_layers import LoRAContext, MultiLoRALinear
-from deployments.engine.projection import Projection
+from deployments.engine.model.gpu_kernels.rms_norm import rms_norm
+from deployments.engine.model.gpu_kernels.rotary_cache import rotary_and_cache, rotary_table
+from deployments.engine.model.lora_kernels import LoRABatch, loop_kernel
+from deployments.engine.model.lora_layers import LoRAContext, MultiLoRALinear
+from deployments.engine.model.projection import Projection
 
 ROOT = Path(__file__).resolve().parents[2]
 Result = TypeVar("Result")
@@ -838,9 +838,9 @@ def test_projection_runs_nf4_members_through_the_kernel(grouped: bool, device: t
     adapters; one double-quantized): with the kernel on, no member's own forward runs and each output is
     x @ its dequantized weight^T + bias plus its adapter's delta (each member's own LoRA kernel, or the
     group's Triton shrink/expand); with it off, the modules run themselves."""
-    from deployments.engine.lora_layers import LoRAContext, MultiLoRALinear
-    from deployments.engine.nf4_base import NF4Base
-    from deployments.engine.projection import Projection
+    from deployments.engine.model.lora_layers import LoRAContext, MultiLoRALinear
+    from deployments.engine.model.nf4_base import NF4Base
+    from deployments.engine.model.projection import Projection
 
     bnbf = pytest.importorskip("bitsandbytes.functional")
     dtype, k, rows, rank = torch.float32, 128, 5, 16
@@ -899,7 +899,7 @@ def test_nf4_linear_on_bitsandbytes_cuda_weights_replays_in_a_cuda_graph() -> No
     """Weights quantized by bitsandbytes' CUDA kernels (double quantization on), decode shape with K split
     (4 N blocks on a GPU of >= 4 SMs): equal to bitsandbytes' own Linear4bit forward up to bf16 rounding of
     the sum, and a captured call replayed on new x equals an eager call bit for bit."""
-    from deployments.engine.nf4_base import NF4Base
+    from deployments.engine.model.nf4_base import NF4Base
 
     dev, dtype, rows, k, n = torch.device("cuda"), torch.bfloat16, 32, 2048, 256
     module = _linear4bit(n, k, nested=True, seed=60, dtype=dtype, device=dev)
@@ -956,8 +956,9 @@ def test_the_kernel_modules_import_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from deployments.engine.gpu_kernels import activation, awq_dequant, awq_gemm, lora_sgmv, nf4_gemm\n"
-        "from deployments.engine.gpu_kernels import paged_attention, rms_norm, rotary_cache\n"
+        "from deployments.engine.model.gpu_kernels import activation, awq_dequant, awq_gemm, lora_sgmv\n"
+        "from deployments.engine.model.gpu_kernels import nf4_gemm\n"
+        "from deployments.engine.model.gpu_kernels import paged_attention, rms_norm, rotary_cache\n"
         "try:\n"
         "    rms_norm.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)\n"
         "except RuntimeError as e:\n"

@@ -11,9 +11,10 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.grammar_libraries import is_compact
-from deployments.engine import grammar as grammar_module
 from deployments.engine.errors import InvalidRequest
-from deployments.engine.grammar import (
+from deployments.engine.grammar import compiler as grammar_module
+from deployments.engine.grammar.cache import GrammarCache
+from deployments.engine.grammar.compiler import (
     MAX_ALTERNATIVES,
     MAX_ERROR_CHARS,
     MAX_OPTIONAL_RUN,
@@ -24,7 +25,6 @@ from deployments.engine.grammar import (
     apply_bitmask,
     new_bitmask,
 )
-from deployments.engine.grammar_cache import GrammarCache
 from deployments.engine.sampling_params import MAX_SCHEMA_CHARS, StructuredOutput
 from tests.model_fixtures import TinySetup
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from deployments.engine.errors import EngineOverloaded
-from deployments.engine.grammar_pool import GrammarPool
+from deployments.engine.grammar.pool import GrammarPool
 
 WAIT_S = 10.0  # only ever reached when a test fails
 

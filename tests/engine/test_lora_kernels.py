@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from deployments.engine.lora_kernels import (
+from deployments.engine.model.lora_kernels import (
     LoRABatch,
     _cpu_extension,
     grouped_mm_kernel,
@@ -74,6 +74,6 @@ def test_cpu_selects_the_native_kernel_when_it_builds() -> None:
 
 
 def test_misaligned_shapes_never_get_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("deployments.engine.lora_kernels._cpu_extension", lambda: None)
+    monkeypatch.setattr("deployments.engine.model.lora_kernels._cpu_extension", lambda: None)
     assert select_kernel(torch.bfloat16, torch.device("cpu"), {64, 4})[0] == "loop"  # rank 4 = 8 bytes
     assert select_kernel(torch.bfloat16, torch.device("cpu"), {64, 16})[0] == "grouped_mm"

@@ -14,13 +14,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deployments.engine import native_kernel
+from deployments.engine.model import native_kernel
 from tests.processes import gone_within, running
 
 ROOT = Path(__file__).resolve().parents[2]
 SELECT = (
     "import logging, torch; logging.basicConfig(level=logging.WARNING);"
-    "from deployments.engine.lora_kernels import select_kernel;"
+    "from deployments.engine.model.lora_kernels import select_kernel;"
     "print('kernel', select_kernel(torch.float32, torch.device('cpu'), {64, 8})[0])"
 )
 
@@ -75,7 +75,8 @@ def test_a_built_kernel_is_loaded_whatever_locks_lie_around(tmp_path: Path) -> N
 def test_a_broken_toolchain_fails_the_build_quickly_and_leaves_nothing(tmp_path: Path) -> None:
     code = (
         "import logging; logging.basicConfig(level=logging.WARNING);"
-        "from deployments.engine import native_kernel; print('built', native_kernel.build(timeout_s=120))"
+        "from deployments.engine.model import native_kernel;"
+        "print('built', native_kernel.build(timeout_s=120))"
     )
     cache = tmp_path / "kernels"
     result = run(code, cache, timeout=150, CXX="/bin/false", CC="/bin/false")

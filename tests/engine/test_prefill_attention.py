@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments.engine.gpu_kernels.prefill_attention import paged_prefill_attention
+from deployments.engine.model.gpu_kernels.prefill_attention import paged_prefill_attention
 from tests.engine.test_gpu_kernels import ROOT, device, randn
 
 __all__ = ["device"]  # the fixture, shared with the other kernel tests
@@ -173,7 +173,7 @@ def test_the_module_imports_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from deployments.engine.gpu_kernels.prefill_attention import paged_prefill_attention\n"
+        "from deployments.engine.model.gpu_kernels.prefill_attention import paged_prefill_attention\n"
         "one = torch.ones(1, dtype=torch.int64)\n"
         "try:\n"
         "    x = torch.ones(1, 1, 4)\n"

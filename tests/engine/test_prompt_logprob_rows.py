@@ -7,7 +7,7 @@ import torch
 
 from deployments.engine.interface import EngineRequest, SamplingParams, TokenLogprob
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.scheduler import ScheduledSequence
+from deployments.engine.sequence import ScheduledSequence
 from tests.engine.helpers import drain, make_engine
 from tests.model_fixtures import TinySetup
 

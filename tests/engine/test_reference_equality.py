@@ -111,5 +111,5 @@ def test_mixed_batch_equals_peft_per_request(tiny_setups: dict[str, TinySetup], 
     assert all(engine.adapters.slots.users(s) == 0 for s in range(engine.adapters.slots.num_slots))
     # GPU time: the requests' shares add up to the engine's measured busy time.
     total_gpu_ms = sum(u.gpu_ms for u in usage.values())
-    assert total_gpu_ms == pytest.approx(engine.busy_seconds * 1e3, rel=1e-9)
+    assert total_gpu_ms == pytest.approx(engine.counters.busy_seconds * 1e3, rel=1e-9)
     engine.close()

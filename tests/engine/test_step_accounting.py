@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deployments.engine.interface import EngineRequest, SamplingParams
-from deployments.engine.kv_cache import KVCache
+from deployments.engine.model.kv_cache import KVCache
 from tests.engine.helpers import make_engine
 from tests.model_fixtures import TinySetup
 
@@ -21,11 +21,11 @@ def test_a_mixed_step_is_billed_by_tokens_processed(llama: TinySetup) -> None:
     engine.add_request(EngineRequest("prefill", list(range(10, 110)), SamplingParams(max_tokens=4)))
     seqs = {rid: engine.group(rid)[0] for rid in [*decodes, "prefill"]}
     before = {rid: seq.metrics.gpu_time for rid, seq in seqs.items()}
-    busy = engine.busy_seconds
+    busy = engine.counters.busy_seconds
 
     engine.step()  # one step: four 1-token decodes beside the 100-token prefill chunk
 
-    elapsed = engine.busy_seconds - busy
+    elapsed = engine.counters.busy_seconds - busy
     assert elapsed > 0 and seqs["prefill"].num_computed == 100
     share = {rid: seq.metrics.gpu_time - before[rid] for rid, seq in seqs.items()}
     assert sum(share.values()) == pytest.approx(elapsed, rel=1e-9)

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from deployments.engine.interface import EngineRequest, SamplingParams, StructuredOutput
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.step_inputs import decode_buckets
+from deployments.engine.model.step_inputs import decode_buckets
 from tests.engine.helpers import drain, make_engine, preload, tokens
 from tests.model_fixtures import TinySetup
 

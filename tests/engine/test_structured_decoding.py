@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from deployments.engine.async_engine import AsyncEngine
-from deployments.engine.grammar import CompiledGrammar
+from deployments.engine.grammar.compiler import CompiledGrammar
 from deployments.engine.interface import (
     EngineOverloaded,
     EngineRequest,
@@ -156,7 +156,7 @@ async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
 ) -> None:
     engine = AsyncEngine(tiny_config(llama, grammar_compile_timeout_s=0.3))
     compile_threads: list[str] = []
-    compile = engine.engine.grammars.compile
+    compile = engine.grammars.compile
 
     def slow(spec: StructuredOutput, tenant: str | None = None) -> CompiledGrammar:
         compile_threads.append(threading.current_thread().name)
@@ -164,7 +164,7 @@ async def test_compiling_happens_off_the_engine_loop_and_a_slow_one_is_refused(
             time.sleep(1.0)
         return compile(spec, tenant)
 
-    monkeypatch.setattr(engine.engine.grammars, "compile", slow)
+    monkeypatch.setattr(engine.grammars, "compile", slow)
     try:
         free = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
         slow_spec = StructuredOutput('{"type": "object", "description": "slow"}')
@@ -200,7 +200,7 @@ class HeldCompiles:
         self.release = threading.Event()
         self.began: list[tuple[str | None, str]] = []
         self.ended: list[tuple[str | None, str]] = []
-        compile = engine.engine.grammars.compile
+        compile = engine.grammars.compile
 
         def held(spec: StructuredOutput, tenant: str | None = None) -> CompiledGrammar:
             self.began.append((tenant, spec.json_schema))
@@ -211,7 +211,7 @@ class HeldCompiles:
             finally:
                 self.ended.append((tenant, spec.json_schema))
 
-        monkeypatch.setattr(engine.engine.grammars, "compile", held)
+        monkeypatch.setattr(engine.grammars, "compile", held)
 
     async def until_began(self, count: int) -> None:
         for _ in range(int(WAIT_S / 0.01)):

@@ -60,7 +60,7 @@ def test_the_watcher_changes_adapter_tiers_only_on_the_loop_thread(
         ]
 
     monkeypatch.setattr(adapter_registry, "list_adapters", list_adapters)
-    recorder = ThreadRecorder(engine.engine.adapters)
+    recorder = ThreadRecorder(engine.adapters)
     engine.run_on_loop(lambda e: setattr(e, "adapters", recorder)).result()
 
     def on_loop(read: Callable[[Any], bool]) -> Callable[[], bool]:

@@ -37,7 +37,7 @@ from adapters.weights import AdapterWeights, load_adapter_weights
 from deployments.engine.adapter_tiers.cpu_cache import CpuAdapterCache
 from deployments.engine.adapter_tiers.slot_table import SlotTable
 from deployments.engine.adapter_tiers.spec_cache import AdapterSpecs
-from deployments.engine.lora_layers import MultiLoRALinear, load_adapter_into_slot
+from deployments.engine.model.lora_layers import MultiLoRALinear, load_adapter_into_slot
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ Picked once at load, each part on its own:
 import torch
 from torch import nn
 
-from deployments.engine.lora_kernels import LoRABatch
-from deployments.engine.lora_layers import MultiLoRALinear
-from deployments.engine.nf4_base import NF4Base
+from deployments.engine.model.lora_kernels import LoRABatch
+from deployments.engine.model.lora_layers import MultiLoRALinear
+from deployments.engine.model.nf4_base import NF4Base
 
 
 class Projection:
@@ -84,7 +84,7 @@ class Projection:
         return member.add_lora(x, y) if isinstance(member, MultiLoRALinear) else y
 
     def _fused_lora(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch) -> None:
-        from deployments.engine.gpu_kernels.lora_delta import lora_delta
+        from deployments.engine.model.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
         lora_delta(x, self.lora_a, self.lora_b, lora.offsets, y, splits=tuple(self.widths))
@@ -92,7 +92,7 @@ class Projection:
     def _member_lora(self, x: torch.Tensor, outs: list[torch.Tensor], lora: LoRABatch) -> None:
         """Each member's output is its own base's tensor: one launch per member, each reading only its
         own R columns of the group's A."""
-        from deployments.engine.gpu_kernels.lora_delta import lora_delta
+        from deployments.engine.model.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
         rank = self.lora_b.shape[1]

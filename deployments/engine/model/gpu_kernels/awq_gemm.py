@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import cdiv, dot_precision, jit, require_triton, rows_out, tl
+from deployments.engine.model.gpu_kernels._triton import (
+    cdiv,
+    dot_precision,
+    jit,
+    require_triton,
+    rows_out,
+    tl,
+)
 
 BLOCK_N = 64
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import (
+from deployments.engine.model.gpu_kernels._triton import (
     cdiv,
     dot_precision,
     jit,

@@ -3,7 +3,7 @@ the paged cache, and one online-softmax update. Triton inlines them into each ke
 
 from __future__ import annotations
 
-from deployments.engine.gpu_kernels._triton import jit, tl
+from deployments.engine.model.gpu_kernels._triton import jit, tl
 
 
 @jit

@@ -119,7 +119,8 @@ def build(timeout_s: float = BUILD_TIMEOUT_S) -> Path | None:
     scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
         output = _run_bounded(
-            [sys.executable, "-m", "deployments.engine.native_kernel", str(scratch), module_name()], timeout_s
+            [sys.executable, "-m", "deployments.engine.model.native_kernel", str(scratch), module_name()],
+            timeout_s,
         )
         if output is None:
             log.warning("native CPU LoRA kernel build took over %.0f s; gave up", timeout_s)

@@ -17,7 +17,7 @@ LoRA wraps it like any base (MultiLoRALinear, Projection's per-member path); not
 import torch
 from torch import nn
 
-from deployments.engine.gpu_kernels._triton import interpreting, triton
+from deployments.engine.model.gpu_kernels._triton import interpreting, triton
 
 # Column c of each block of 8 sits in nibble (0 2 4 6 1 3 5 7).index(c): bits 4 * that.
 _SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
@@ -82,7 +82,7 @@ class AwqLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The dense weight [in, out] in the scales' dtype: x @ it is this layer's output, bias aside."""
         if self.uses_triton:
-            from deployments.engine.gpu_kernels.awq_dequant import awq_dequantize
+            from deployments.engine.model.gpu_kernels.awq_dequant import awq_dequantize
 
             return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size)
         return dequantize_in_torch(self.qweight, self.qzeros, self.scales, self.group_size)
@@ -90,7 +90,7 @@ class AwqLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype)
         if self.uses_triton and flat.shape[0] <= self.fused_max_rows:
-            from deployments.engine.gpu_kernels.awq_gemm import awq_linear
+            from deployments.engine.model.gpu_kernels.awq_gemm import awq_linear
 
             y = awq_linear(flat.contiguous(), self.qweight, self.qzeros, self.scales, self.group_size)
         else:

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from deployments.engine import native_kernel
+from deployments.engine.model import native_kernel
 
 log = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ class NF4Base:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Linear4bit's forward: x in its compute dtype, the result back in x's dtype."""
-        from deployments.engine.gpu_kernels.nf4_gemm import nf4_linear
+        from deployments.engine.model.gpu_kernels.nf4_gemm import nf4_linear
 
         wanted = self.compute_dtype or x.dtype
         flat = x.reshape(-1, self.in_features).to(wanted)

@@ -9,14 +9,14 @@ import logging
 
 import torch
 
-from deployments.engine.decode_graphs import DecodeGraphs
-from deployments.engine.decoder_forward import DecoderForward, HFForward, unsupported_reason
-from deployments.engine.kv_cache import KVCache
-from deployments.engine.layer_ops import layer_ops_for
-from deployments.engine.lora_layers import LoRAContext
-from deployments.engine.model_loader import LoadedModel
-from deployments.engine.scheduler import ScheduledSequence
-from deployments.engine.step_inputs import StepInputs, StepInputsBuilder, is_pure_decode
+from deployments.engine.model.decode_graphs import DecodeGraphs
+from deployments.engine.model.decoder_forward import DecoderForward, HFForward, unsupported_reason
+from deployments.engine.model.kv_cache import KVCache
+from deployments.engine.model.layer_ops import layer_ops_for
+from deployments.engine.model.lora_layers import LoRAContext
+from deployments.engine.model.model_loader import LoadedModel
+from deployments.engine.model.step_inputs import StepInputs, StepInputsBuilder, is_pure_decode
+from deployments.engine.sequence import ScheduledSequence
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import jit, next_power_of_2, require_triton, tl
+from deployments.engine.model.gpu_kernels._triton import jit, next_power_of_2, require_triton, tl
 
 
 @jit

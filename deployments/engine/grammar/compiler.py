@@ -35,8 +35,8 @@ import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from deployments.engine.errors import InvalidRequest
-from deployments.engine.grammar_cache import GrammarCache, Tenant
-from deployments.engine.grammar_closing import Closer, Lexical, Trigger
+from deployments.engine.grammar.cache import GrammarCache, Tenant
+from deployments.engine.grammar.closing import Closer, Lexical, Trigger
 from deployments.engine.sampling_params import StructuredOutput
 
 LIBRARY = "llguidance"
@@ -99,7 +99,7 @@ class _Refusal:
 class GrammarMatcher:
     """One request's position in its grammar. Not thread-safe: the engine loop thread alone drives it.
 
-    With a closer (grammar_closing.Closer) it also keeps the request's closing: the tokens that would finish
+    With a closer (closing.Closer) it also keeps the request's closing: the tokens that would finish
     the output from here. The engine passes each step's token budget: when the closing and the stop token
     need all that is left, the mask allows only the closing's next token (`fill_mask`); and a sampled token
     after which the output could no longer finish in time is taken back for the closing's next one (`take`).

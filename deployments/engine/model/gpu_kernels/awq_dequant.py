@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import cdiv, jit, require_triton, tl
+from deployments.engine.model.gpu_kernels._triton import cdiv, jit, require_triton, tl
 
 BLOCK_K = 32
 BLOCK_N = 64

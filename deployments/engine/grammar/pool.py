@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from deployments.engine.errors import EngineOverloaded
-from deployments.engine.grammar_cache import Tenant
+from deployments.engine.grammar.cache import Tenant
 
 T = TypeVar("T")
 

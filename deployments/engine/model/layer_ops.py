@@ -158,7 +158,7 @@ class TritonOps(TorchOps):
     paged_prefill = True
 
     def __init__(self) -> None:
-        from deployments.engine.gpu_kernels import (
+        from deployments.engine.model.gpu_kernels import (
             activation,
             paged_attention,
             prefill_attention,

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from deployments.engine.lora_kernels import LoRABatch
-from deployments.engine.step_inputs import StepInputs, StepInputsBuilder
+from deployments.engine.model.lora_kernels import LoRABatch
+from deployments.engine.model.step_inputs import StepInputs, StepInputsBuilder
 
 log = logging.getLogger(__name__)
 Forward = Callable[[StepInputs], torch.Tensor]

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import interpreting, jit, libdevice, require_triton, rows_out, tl
+from deployments.engine.model.gpu_kernels._triton import (
+    interpreting,
+    jit,
+    libdevice,
+    require_triton,
+    rows_out,
+    tl,
+)
 
 BLOCK = 1024
 

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from deployments.engine.attention import METADATA_KWARG, attend
-from deployments.engine.kv_cache import KVCache
-from deployments.engine.layer_ops import LayerOps
-from deployments.engine.projection import Projection
-from deployments.engine.step_inputs import StepInputs
+from deployments.engine.model.attention import METADATA_KWARG, attend
+from deployments.engine.model.kv_cache import KVCache
+from deployments.engine.model.layer_ops import LayerOps
+from deployments.engine.model.projection import Projection
+from deployments.engine.model.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 FAMILY = ("llama", "mistral", "qwen2")

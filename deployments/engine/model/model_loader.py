@@ -22,10 +22,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from deployments.engine.attention import register_paged_attention
-from deployments.engine.awq_loader import load_awq_model
 from deployments.engine.config import EngineConfig
-from deployments.engine.lora_layers import LoRAContext, MultiLoRALinear, wrap_lora_modules
+from deployments.engine.model.attention import register_paged_attention
+from deployments.engine.model.awq_loader import load_awq_model
+from deployments.engine.model.lora_layers import LoRAContext, MultiLoRALinear, wrap_lora_modules
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ nibble when N * K is odd); block e // blocksize of the flattened weight has one 
 across rows when K is not a multiple of the block); the weight is
 `(code[nibble] * absmax[e // blocksize]).to(dtype)` with `code` the 16-entry NF4 table, the product in fp32
 and rounded once to the activations' dtype, as `gemm_4bit` dequantizes for `F.linear`. Double quantization
-(8-bit absmax with a nested state) is undone once at load by the caller (deployments/engine/nf4_base.py):
-the kernels take fp32 absmax.
+(8-bit absmax with a nested state) is undone once at load by the caller
+(deployments/engine/model/nf4_base.py): the kernels take fp32 absmax.
 
 Decode (T <= DECODE_ROWS): one row block holds every row, so the grid splits over N (and over K when N
 alone gives too few programs, the partial sums added in a fixed order by a second small kernel): each
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import (
+from deployments.engine.model.gpu_kernels._triton import (
     cdiv,
     dot_precision,
     jit,

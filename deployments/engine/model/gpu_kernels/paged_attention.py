@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import (
+from deployments.engine.model.gpu_kernels._triton import (
     cdiv,
     dot_precision,
     jit,
@@ -26,7 +26,7 @@ from deployments.engine.gpu_kernels._triton import (
     sm_count,
     tl,
 )
-from deployments.engine.gpu_kernels.flash_step import cache_slots, online_softmax
+from deployments.engine.model.gpu_kernels.flash_step import cache_slots, online_softmax
 
 LOG2E = 1.4426950408889634
 MIN_PARTITION = 256  # positions; shorter partitions cost more in the combine than they save

@@ -19,11 +19,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deployments.engine.attention import AttentionMetadata, PrefillSpan, StepChunks
-from deployments.engine.kv_cache import KVCache
 from deployments.engine.logprobs import prompt_positions
-from deployments.engine.lora_kernels import LoRABatch
-from deployments.engine.scheduler import ScheduledSequence
+from deployments.engine.model.attention import AttentionMetadata, PrefillSpan, StepChunks
+from deployments.engine.model.kv_cache import KVCache
+from deployments.engine.model.lora_kernels import LoRABatch
+from deployments.engine.sequence import ScheduledSequence
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import (
+from deployments.engine.model.gpu_kernels._triton import (
     cdiv,
     dot_precision,
     next_power_of_2,
@@ -32,7 +32,7 @@ from deployments.engine.gpu_kernels._triton import (
     tl,
     triton,
 )
-from deployments.engine.gpu_kernels.flash_step import cache_slots, online_softmax
+from deployments.engine.model.gpu_kernels.flash_step import cache_slots, online_softmax
 
 LOG2E = 1.4426950408889634
 SCAN = 128  # chunks looked at per vector load while a program finds its chunk

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deployments.engine.gpu_kernels._triton import (
+from deployments.engine.model.gpu_kernels._triton import (
     cdiv,
     dot_precision,
     jit,
@@ -35,7 +35,7 @@ from deployments.engine.gpu_kernels._triton import (
     require_triton,
     tl,
 )
-from deployments.engine.gpu_kernels.lora_sgmv import (
+from deployments.engine.model.gpu_kernels.lora_sgmv import (
     MAX_FUSED_MEMBERS,
     add_delta,
     check_segments,

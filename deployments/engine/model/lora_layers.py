@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from adapters.weights import AdapterWeights
-from deployments.engine.lora_kernels import LoRABatch, LoRAKernel, loop_kernel
+from deployments.engine.model.lora_kernels import LoRABatch, LoRAKernel, loop_kernel
 
 
 class LoRAContext:

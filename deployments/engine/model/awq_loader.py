@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from deployments.engine.awq_base import AwqLinear
+from deployments.engine.model.awq_base import AwqLinear
 
 log = logging.getLogger(__name__)
 
