@@ -44,7 +44,10 @@ class Outbox:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=10, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # durable: a record acknowledged here survives a crash
+        # WAL with synchronous=NORMAL: a committed record survives the replica's crash (what the outbox is
+        # for: another replica of the node delivers it); only a power loss of the node can take its last
+        # records before a checkpoint. FULL fsyncs every insert: ~1 ms on each request's path.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, "
             "request_id TEXT UNIQUE, body TEXT NOT NULL, claimed_by TEXT, claimed_until REAL)"
