@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
-from app.completions.logprobs import CompletionLogprobsBuilder, TokenTexts
+from app.completions.logprobs import CompletionLogprobsBuilder
 from app.completions.plan import RequestPlan, Shape
 from app.completions.tool_calls import ToolCallStream
 from app.errors import to_api_error
 from app.schemas.openai import CompletionLogprobs, PromptTokensDetails, Usage
+from app.served_models.token_texts import TokenTexts
 from deployments.engine.interface import FinishReason, RequestOutput, RequestUsage, TokenLogprob
 
 # Past these a response (or one stream piece) is shaped and rendered in the thread pool: below them the

@@ -8,9 +8,9 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from app.completions.logprobs import TokenTexts
 from app.errors import InvalidParameter
 from app.schemas.openai import ChatMessage
+from app.served_models.token_texts import TokenTexts
 
 
 def _arguments(text: str) -> Any:
