@@ -36,7 +36,7 @@ from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.model.model_loader import LoadedModel
 from deployments.engine.outputs import EngineStats, RequestOutput
 from deployments.engine.request import EngineRequest
-from deployments.engine.sequence import Sequence
+from deployments.engine.sequence import Sequence, attach_grammar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,7 +103,7 @@ class AsyncEngine:
         seqs = self._engine.make_sequences(request)
         if request.params.structured is not None:  # compiled before queueing: a bad schema is refused here
             grammar = await self.grammars.compile_bounded(request.params.structured, request.tenant)
-            self.grammars.attach(seqs, grammar)
+            attach_grammar(seqs, grammar)
         if request.adapter is not None:  # checked before queueing: an unservable adapter is refused here
             await self._check_adapter(request.adapter)
         if request_id in self._streams:

@@ -29,7 +29,7 @@ from deployments.engine.logprobs import prompt_positions
 from deployments.engine.model.model_loader import LoadedModel, load_model
 from deployments.engine.outputs import EngineStats, RequestOutput, RequestUsage, TokenLogprob
 from deployments.engine.request import EngineRequest
-from deployments.engine.sequence import ScheduledSequence, Sequence
+from deployments.engine.sequence import ScheduledSequence, Sequence, attach_grammar
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class LLMEngine:
 
     def make_sequences(self, request: EngineRequest) -> list[Sequence]:
         """Validate a request's own input and build its sequences (any thread: see SequenceBuilder). A
-        structured-output grammar is attached by the caller (`grammars.attach`)."""
+        structured-output grammar is attached by the caller (`attach_grammar`)."""
         return self.sequences.build(request)
 
     def add_sequences(self, seqs: list[Sequence]) -> None:
@@ -113,7 +113,7 @@ class LLMEngine:
         config here, if it has them)."""
         seqs = self.make_sequences(request)
         if request.params.structured is not None:
-            self.grammars.attach(seqs, self.grammars.compile(request.params.structured))
+            attach_grammar(seqs, self.grammars.compile(request.params.structured))
         if request.adapter is not None:
             self.adapters.check(request.adapter)
         self.add_sequences(seqs)

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from adapters.ref import AdapterRef
-from deployments.engine.errors import RequestError
+from deployments.engine.errors import BudgetTooSmall, RequestError
 from deployments.engine.outputs import FinishReason, TokenLogprob
 from deployments.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deployments.engine.grammar.compiler import GrammarMatcher
+    from deployments.engine.grammar.compiler import CompiledGrammar, GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -136,3 +136,13 @@ class ScheduledSequence:
     def draws(self) -> bool:
         """True when the step samples a token for it (a prompt-only request, max_tokens 0, never does)."""
         return self.samples and self.seq.max_tokens > 0
+
+
+def attach_grammar(seqs: list[Sequence], grammar: "CompiledGrammar") -> None:
+    """Give each sequence its grammar state; raises BudgetTooSmall (nothing attached) when the output
+    could not complete within the sequences' max_tokens (every choice has the same)."""
+    minimum = grammar.min_tokens
+    if minimum is not None and seqs and seqs[0].max_tokens < minimum:
+        raise BudgetTooSmall(seqs[0].max_tokens, minimum)
+    for seq in seqs:
+        seq.matcher = grammar.matcher()

@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from deployments.engine.config import EngineConfig
-from deployments.engine.errors import BudgetTooSmall, EngineOverloaded
+from deployments.engine.errors import EngineOverloaded
 from deployments.engine.sampling_params import StructuredOutput
-from deployments.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -104,16 +103,6 @@ class Grammars:
         except EngineOverloaded:
             compiler.count_refusal("busy")
             raise
-
-    @staticmethod
-    def attach(seqs: list[Sequence], grammar: "CompiledGrammar") -> None:
-        """Give each sequence its grammar state; raises BudgetTooSmall (nothing attached) when the output
-        could not complete within the sequences' max_tokens (every choice has the same)."""
-        minimum = grammar.min_tokens
-        if minimum is not None and seqs and seqs[0].max_tokens < minimum:
-            raise BudgetTooSmall(seqs[0].max_tokens, minimum)
-        for seq in seqs:
-            seq.matcher = grammar.matcher()
 
     def refusals(self) -> dict[str, int]:
         """Requests refused since start, by reason ("schema", "timeout", "busy"); empty before any compile."""
