@@ -147,16 +147,6 @@ class EngineConfig(BaseModel):
             "other tenants wait, one tenant's take at most half of them."
         ),
     )
-    scheduling: Literal["fair", "fifo"] = Field(
-        default="fair",
-        description=(
-            "Order of admission from the waiting queue. fair: the next request of the waiting tenant served "
-            "least so far (prompt tokens, cached prompt tokens at a quarter, output tokens at twice, divided "
-            "by the request's tenant_weight; a tenant arriving is lifted to the least counter of the active "
-            "ones, so idle time banks no credit), first in first out within a tenant. fifo: arrival order "
-            "across tenants."
-        ),
-    )
     adapter_wait_bound_s: float = Field(
         default=1.0,
         ge=0,

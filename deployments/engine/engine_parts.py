@@ -113,7 +113,6 @@ def build_engine_parts(
         max_prompt_logprob_rows=plan.prompt_logprob_rows,
         max_loras=m.max_loras,
         adapter_wait_bound_s=config.adapter_wait_bound_s,
-        scheduling=config.scheduling,
     )
     runner = _model_runner(config, m, kv_cache, plan.max_model_len)
     sampler = Sampler(plan.vocab_size, m.device, seed=config.seed)

@@ -228,7 +228,6 @@ class LLMEngine:
             grammar_refusals=self.grammars.refusals(),
             adapter_load_failures=dict(self.adapters.cpu.load_failures),
             adapter_load_retries=dict(self.adapters.cpu.load_retries),
-            tenant_service={t or "": v for t, v in self.scheduler.served_service().items()},
         )
 
     def close(self) -> None:

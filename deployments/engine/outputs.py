@@ -96,5 +96,3 @@ class EngineStats:
     grammar_refusals: dict[str, int] = field(default_factory=dict)
     adapter_load_failures: dict[str, int] = field(default_factory=dict)  # ref -> failed loads
     adapter_load_retries: dict[str, int] = field(default_factory=dict)  # ref -> loads tried after a failure
-    # Weighted service served per tenant since start (the fair order's counters; "" for no tenant).
-    tenant_service: dict[str, float] = field(default_factory=dict)

@@ -27,13 +27,6 @@ class EngineRequest:
     # this much in its usage (the crossing step's excess is not charged), so a budget hold that includes
     # it (app/budgets/guard.py) is never exceeded. None: no bound.
     max_gpu_ms: float | None = None
-    # The tenant's share of the engine against other tenants (scheduling "fair"): served service is divided
-    # by it, so a tenant of weight 2 is served about twice what one of weight 1 is while both wait.
-    tenant_weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.tenant_weight > 0:  # also refuses NaN
-            raise ValueError(f"tenant_weight must be > 0, got {self.tenant_weight}")
 
     @property
     def prompts(self) -> list[list[int]]:

@@ -1,10 +1,7 @@
 """Scheduler: which sequences run in the next step, and how many of their tokens.
 
 Every step: running decodes first (one token each, so a long prompt never freezes them), then running
-prefills in chunks, then waiting requests under the per-step token budget: with scheduling "fair" (the
-default) the next sequence of the backlogged tenant with the least weighted service so far (the virtual
-token counter of Sheng et al., OSDI 2024), first in first out within a tenant; with "fifo" in arrival
-order across tenants. A waiting
+prefills in chunks, then waiting requests in arrival order under the per-step token budget. A waiting
 request whose adapter is not resident is skipped (it waits only for its own adapter: requests of resident
 adapters batch first, while the adapter manager loads the queue's adapters ahead of need and frees slots
 by queued demand; the oldest waiter of a cold adapter gets the first slot that frees), and so is a
@@ -12,15 +9,13 @@ further choice of a prompt whose first choice has not finished its prefill (it t
 A prompt that asks for its logprobs (echo) is prefilled in chunks that keep the step's logits rows at
 prompt positions within `max_prompt_logprob_rows`, the engine's memory plan for them.
 When KV blocks run out, the newest running sequences are preempted (their blocks freed, recomputed later
-from the prefix cache), and they go back to the front of the queue (and of their tenant's) so nobody starves.
+from the prefix cache), and they go back to the front of the queue so nobody starves.
 """
 
 import logging
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal
 
 from adapters.errors import AdapterError
 from deployments.engine.adapter_tiers.manager import AdapterManager
@@ -31,17 +26,6 @@ from deployments.engine.outputs import FinishReason
 from deployments.engine.sequence import ScheduledSequence, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
-
-Scheduling = Literal["fair", "fifo"]
-
-# Service weights per token, for the fair order (Sheng et al. weigh input and output tokens apart too). A
-# prompt token computed is the unit. An output token costs about twice as much: it takes a whole decode step
-# of its row (memory-bound, one token per weight read) and holds its KV blocks and its row meanwhile, where a
-# prompt token shares a compute-bound prefill chunk. A prompt token served from the prefix cache costs no
-# forward work, only its blocks: a quarter, so a tenant who reuses a prefix is charged less, but not nothing.
-PROMPT_TOKEN_SERVICE = 1.0
-CACHED_TOKEN_SERVICE = 0.25
-OUTPUT_TOKEN_SERVICE = 2.0
 
 
 @dataclass(slots=True)
@@ -66,7 +50,6 @@ class Scheduler:
         max_loras: int,
         adapter_wait_bound_s: float = 0.0,
         max_prompt_logprob_rows: int | None = None,
-        scheduling: Scheduling = "fair",
     ) -> None:
         self.blocks = blocks
         self.adapters = adapters
@@ -76,85 +59,26 @@ class Scheduler:
         self._base_order = max_loras  # sort key putting base-model tokens after every slot
         self.adapter_wait_bound_s = adapter_wait_bound_s
         self.slot_preemptions = 0  # sequences preempted to hand their slot to an overdue adapter
-        self.scheduling: Scheduling = scheduling
-        self.waiting: deque[Sequence] = deque()  # arrival order, preempted sequences in front
-        # The same sequences per tenant, in the same order (kept in step with `waiting`; no empty deques).
-        self._queues: dict[str | None, deque[Sequence]] = {}
-        # Weighted service each tenant was served (see the *_SERVICE weights), divided by its weight. One
-        # float per tenant ever seen: a returning tenant keeps what it was served (lifted, never lowered).
-        self.served: dict[str | None, float] = {}
-        self._weight: dict[str | None, float] = {}  # each tenant's weight, as its latest request gave it
-        self._live: dict[str | None, int] = {}  # sequences per active tenant, waiting or running
+        self.waiting: deque[Sequence] = deque()
+        self._waiting_by_tenant: Counter[str | None] = Counter()  # kept in step with `waiting`
         self.running: list[Sequence] = []  # oldest admission first
         self.num_preemptions = 0
         # Keep a few blocks free when admitting, so fresh admissions do not force immediate preemptions.
         self._watermark = max(1, blocks.num_blocks // 100)
 
     def add(self, seq: Sequence) -> None:
-        tenant = seq.tenant
-        if (
-            tenant not in self._live
-        ):  # it becomes active: lifted to the least active counter, no banked credit
-            floor = min((self.served[t] for t in self._live), default=0.0)
-            self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
-            self._live[tenant] = 0
-        self._live[tenant] += 1
-        self._weight[tenant] = seq.tenant_weight
         self.waiting.append(seq)
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = deque()
-        queue.append(seq)
+        self._waiting_by_tenant[seq.tenant] += 1
 
     def waiting_of(self, tenant: str | None) -> int:
         """Sequences of `tenant` in the waiting queue (queued, or preempted and waiting to resume)."""
-        queue = self._queues.get(tenant)
-        return len(queue) if queue is not None else 0
-
-    def served_service(self) -> dict[str | None, float]:
-        """Weighted service served per tenant so far (prompt, cached-prompt and output tokens at their
-        weights, divided by the tenant's weight): the fair order's counters, for metrics."""
-        return dict(self.served)
+        return self._waiting_by_tenant[tenant]
 
     def _unqueue(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
-        queue = self._queues[seq.tenant]
-        queue.remove(seq)
-        if not queue:
-            del self._queues[seq.tenant]
-
-    def _requeue_front(self, seq: Sequence) -> None:
-        self.waiting.appendleft(seq)
-        queue = self._queues.get(seq.tenant)
-        if queue is None:
-            queue = self._queues[seq.tenant] = deque()
-        queue.appendleft(seq)
-
-    def _leave(self, tenant: str | None) -> None:
-        left = self._live[tenant] - 1
-        if left:
-            self._live[tenant] = left
-        else:
-            del self._live[tenant]
-
-    @staticmethod
-    def _service(seq: Sequence, n: int) -> float:
-        """Weighted service of computing the next n tokens of `seq`: prompt positions (and output positions
-        recomputed after a preemption) at the prompt weight, the token it then samples at the output
-        weight. A decode's one input token was charged as output when it was sampled."""
-        start, end = seq.num_computed, seq.num_computed + n
-        last = len(seq.token_ids) - 1  # the input of the next decode, already charged if it is an output
-        inputs = n
-        if end > last >= seq.num_prompt_tokens and start <= last:
-            inputs -= 1
-        service = inputs * PROMPT_TOKEN_SERVICE
-        if end == len(seq.token_ids) and seq.max_tokens > 0:
-            service += OUTPUT_TOKEN_SERVICE
-        return service
-
-    def _charge(self, seq: Sequence, service: float) -> None:
-        tenant = seq.tenant
-        self.served[tenant] = self.served.get(tenant, 0.0) + service / self._weight.get(tenant, 1.0)
+        self._waiting_by_tenant[seq.tenant] -= 1
+        if not self._waiting_by_tenant[seq.tenant]:
+            del self._waiting_by_tenant[seq.tenant]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -173,7 +97,6 @@ class Scheduler:
                 continue
             if self._make_room(seq, n, out):
                 out.scheduled.append(ScheduledSequence(seq, n))
-                self._charge(seq, self._service(seq, n))
                 budget -= n
                 rows -= len(prompt_positions(seq, seq.num_computed, n))
         self._admit(budget, rows, out)
@@ -191,10 +114,8 @@ class Scheduler:
         """Take a sequence out of the scheduler for good and free what it holds."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._leave(seq.tenant)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self._unqueue(seq)
-            self._leave(seq.tenant)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -211,15 +132,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        for planned in out.scheduled:
-            if planned.seq is seq:  # it will not run this step after all: not served
-                self._charge(seq, -self._service(seq, planned.num_tokens))
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         seq.metrics.queued = time.monotonic()
-        self._requeue_front(seq)
+        self.waiting.appendleft(seq)
+        self._waiting_by_tenant[seq.tenant] += 1
         self.num_preemptions += 1
         out.preempted += 1
 
@@ -237,7 +156,7 @@ class Scheduler:
         if self.waiting:
             self._plan_adapters()
         overdue_served = False  # at most one slot taken by force per step: bounds the churn
-        for seq in self._candidates():
+        for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             if seq.leader is not None and not seq.leader.prompt_done:
@@ -277,29 +196,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
-            self._charge(seq, cached * CACHED_TOKEN_SERVICE + self._service(seq, n))
             budget -= n
             rows -= len(prompt_positions(seq, seq.num_computed, n))
-
-    def _candidates(self) -> Iterator[Sequence]:
-        """The waiting sequences in the order admission tries them. "fifo": arrival order. "fair": the next
-        untried sequence of the tenant with the least served counter (re-read at every pick, so each
-        admission's charge counts for the next), first in first out within a tenant; a sequence skipped
-        (its adapter not resident, its leader not done) leaves its tenant first in line, so the tenant's
-        next sequence is tried. A scan over the waiting tenants per pick: cheap for the tens of tenants a
-        replica serves at once; one waiting tenant costs what FIFO does."""
-        if self.scheduling == "fifo" or len(self._queues) <= 1:
-            yield from list(self.waiting)
-            return
-        pending = {tenant: iter(list(queue)) for tenant, queue in self._queues.items()}
-        served = self.served
-        while pending:
-            tenant = min(pending, key=served.__getitem__)  # ties: the tenant first queued
-            seq = next(pending[tenant], None)
-            if seq is None:
-                del pending[tenant]
-            else:
-                yield seq
 
     def _refuse(self, seq: Sequence, error: AdapterError | RequestFailed, out: SchedulerOutput) -> None:
         seq.error = error

@@ -75,7 +75,6 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     tenant: str | None = None  # whom it is for (EngineRequest.tenant): the waiting queue's fair share
     max_gpu_ms: float | None = None  # its request's GPU-time bound (EngineRequest.max_gpu_ms), the group's
-    tenant_weight: float = 1.0  # its tenant's share in the fair order (EngineRequest.tenant_weight)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
