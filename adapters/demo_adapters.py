@@ -35,6 +35,14 @@ class DemoAdapter(BaseModel):
     seed: int = Field(description="Seed for the random A and B.")
 
 
+# Phi-3's fused linears, by the separate ones they replace.
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -67,26 +75,40 @@ def build_demo_adapter(
     seed: int,
     rank_pattern: dict[str, int] | None = None,
 ) -> Path:
-    """Wrap the base model with PEFT (random A and B), rescale B, `save_pretrained` into `out_dir`."""
+    """Wrap the base model with PEFT (random A and B), rescale B, `save_pretrained` into `out_dir`.
+
+    On a base with fused linears (Phi-3's qkv_proj, gate_up_proj) a recipe's q/k/v or gate/up targets name
+    the fused linear instead, the only one PEFT can adapt there."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    names = {path.rsplit(".", 1)[-1] for path, _ in base.named_modules()}
     config = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int; it stores any number
-        target_modules=list(target_modules),
+        target_modules=list(dict.fromkeys(_on_base(name, names) for name in target_modules)),
         use_rslora=use_rslora,
-        rank_pattern=dict(rank_pattern or {}),
+        rank_pattern={_on_base(key, names): rank for key, rank in (rank_pattern or {}).items()},
         init_lora_weights=False,  # random B too: a fresh adapter must change outputs
         task_type="CAUSAL_LM",
     )
     with torch.random.fork_rng(devices=[]):  # seeded without touching global RNG
-        base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
         torch.manual_seed(seed)
         model = get_peft_model(base, config)
         _rescale_updates(model)
         model.save_pretrained(str(out_dir))
     return out_dir
+
+
+def _on_base(name: str, module_names: set[str]) -> str:
+    """`name` (a module suffix or a pattern ending in one), with q/k/v or gate/up renamed to the base's fused
+    linear where the base has no separate one."""
+    head, _, suffix = name.rpartition(".")
+    fused = _FUSED.get(suffix)
+    if suffix in module_names or fused is None or fused not in module_names:
+        return name
+    return f"{head}.{fused}" if head else fused
 
 
 def build_demo_adapters(base_model_dir: Path, out_root: Path) -> dict[str, Path]:

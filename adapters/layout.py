@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 DEFAULT_TARGET_NAMES: frozenset[str] = frozenset(
-    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-)
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj"}
+)  # qkv_proj, gate_up_proj: Phi-3's fused linears
 
 
 def module_suffix(module_path: str) -> str:

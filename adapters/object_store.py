@@ -60,19 +60,25 @@ _PROBES = ".probes"
 _S3_OPTIONS: dict[str, Any] = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60}}
 
 
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of an object store URL and the store's root path in it (no trailing slash),
+    with this module's timeouts; the Files API keeps its bytes there too (app/files/blobs.py)."""
+    protocol = urlsplit(url).scheme
+    options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
+    if protocol in ("s3", "s3a"):
+        options |= _S3_OPTIONS
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError as error:
+        message = f"adapter store {redact(url)}: install the package for {protocol}:// ({error})"
+        raise ValueError(message) from None
+    return fs, str(root).rstrip("/")
+
+
 class ObjectStore:
     def __init__(self, url: str) -> None:
         self.url = redact(url)
-        protocol = urlsplit(url).scheme
-        options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
-        if protocol in ("s3", "s3a"):
-            options |= _S3_OPTIONS
-        try:
-            self._fs, root = fsspec.core.url_to_fs(url, **options)
-        except ImportError as error:
-            message = f"adapter store {self.url}: install the package for {protocol}:// ({error})"
-            raise ValueError(message) from None
-        self._root = root.rstrip("/")
+        self._fs, self._root = filesystem(url)
         self._create_fault: str | None = None  # why this store cannot take uploads, once checked
         self._create_checked = False
         self._check_lock = threading.Lock()

@@ -180,6 +180,49 @@ class InsufficientQuota(APIError):
         )
 
 
+class StorageQuotaExceeded(APIError):
+    """403 storage_quota_exceeded: storing this response would take the tenant past its tier's quota of
+    stored responses (max_stored_response_bytes). The same request with store false is served; deleting
+    stored responses, or their expiry, frees room."""
+
+    def __init__(self, *, used: int, needed: int, quota: int, tier: str) -> None:
+        message = (
+            f"Storing this response would exceed your storage quota (max_stored_response_bytes of tier "
+            f"{tier}: {quota:,} bytes; {used:,} in use, this conversation needs {needed:,}). Send store "
+            "false, or delete stored responses (DELETE /v1/responses/{id}) or files (DELETE /v1/files/{id}) "
+            "and retry."
+        )
+        super().__init__(
+            403, message, param="store", code="storage_quota_exceeded", headers={"x-should-retry": "false"}
+        )
+
+
+class FileQuotaExceeded(APIError):
+    """403 storage_quota_exceeded for an upload: the file would take the tenant past its tier's quota of
+    stored bytes (max_stored_response_bytes), which its files share with its stored responses."""
+
+    def __init__(self, *, used: int, needed: int, quota: int, tier: str) -> None:
+        message = (
+            f"This file would exceed your storage quota (max_stored_response_bytes of tier {tier}: "
+            f"{quota:,} bytes, shared by stored responses and files; {used:,} in use, the file needs "
+            f"{needed:,}). Delete files (DELETE /v1/files/{{id}}) or stored responses and retry."
+        )
+        super().__init__(
+            403, message, param="file", code="storage_quota_exceeded", headers={"x-should-retry": "false"}
+        )
+
+
+class BatchLimitExceeded(APIError):
+    """429 batch_limit_exceeded: the tenant has as many unfinished batches as it may (Settings.batches)."""
+
+    def __init__(self, limit: int) -> None:
+        message = (
+            f"You have {limit:,} batches that are not finished, the most you may have at once; wait for one "
+            "to finish or cancel one (POST /v1/batches/{id}/cancel), then retry."
+        )
+        super().__init__(429, message, code="batch_limit_exceeded", headers={"x-should-retry": "false"})
+
+
 class BudgetUnavailable(APIError):
     """503: the tenant has a budget and the state that enforces it cannot be reached. Budgets fail closed
     whatever the rate limiter's fail_open says: money is never spent unchecked."""

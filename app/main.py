@@ -13,15 +13,22 @@ from typing import Literal
 
 from fastapi import FastAPI
 
-from app.body_limit import BodyLimitMiddleware
+from app.batches import routes as batches
+from app.batches.runner import BatchRunner
+from app.body_limit import ADAPTER_UPLOAD_PATH, FILE_UPLOAD_PATH, BodyLimitMiddleware
 from app.errors import install_error_handlers
+from app.files import routes as files
+from app.files.routes import MULTIPART_ALLOWANCE
 from app.middleware import RequestContextMiddleware
 from app.responses import routes as responses
+from app.responses.store import ResponseStore
 from app.routes import (
     admin,
     admin_adapters,
+    admin_batches,
     admin_budgets,
     completions,
+    engines,
     health,
     limits,
     models,
@@ -30,18 +37,39 @@ from app.routes import (
     usage_page,
 )
 from app.services import Services
+from app.sweeper import Sweeper
 
 Routes = Literal["all", "tenant", "admin"]
 
 
 def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: Routes = "all") -> FastAPI:
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(application: FastAPI) -> AsyncIterator[None]:
         if routes == "admin":  # the tenant listener runs the usage delivery; one per process
             yield
             return
         services.delivery.start()  # usage records: outbox -> metering, in the background
+        responses_config, files_config = services.settings.responses, services.settings.files
+        sweepers = (
+            Sweeper(
+                "stored responses",
+                ResponseStore(services.session_factory, responses_config).sweep,
+                responses_config.sweep_interval_s,
+            ),
+            Sweeper("files", services.file_store().sweep, files_config.sweep_interval_s),
+        )
+        for sweeper in sweepers:
+            sweeper.start()  # what expired, of every tenant
+        application.state.sweepers = sweepers
+        runner = BatchRunner(services) if services.settings.batches.run_lines else None
+        if runner is not None:
+            runner.start()  # batch lines, claimed through the database with the other replicas
+        application.state.batch_runner = runner
         yield
+        if application.state.batch_runner is not None:  # a test may have put another in its place
+            await application.state.batch_runner.stop()
+        for sweeper in sweepers:
+            await sweeper.stop()
         await services.delivery.stop()
 
     settings = services.settings
@@ -63,12 +91,17 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: 
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=settings.max_body_kb * 1024,
-        max_upload_bytes=settings.max_upload_mb * 2**20,
+        upload_limits={
+            ADAPTER_UPLOAD_PATH: settings.max_upload_mb * 2**20,
+            FILE_UPLOAD_PATH: settings.files.max_bytes + MULTIPART_ALLOWANCE,
+        },
     )
     app.add_middleware(RequestContextMiddleware, emit_header=not behind_serve_proxy)  # the outer one
     tenant = (
         completions.router,
         responses.router,
+        files.router,
+        batches.router,
         models.router,
         usage.router,
         limits.router,
@@ -78,8 +111,10 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: 
         admin.router,
         admin_budgets.router,
         admin_adapters.router,
+        admin_batches.router,
         usage.admin_router,
         routing.router,
+        engines.router,
     )
     routers = {"all": (*tenant, *admin_api), "tenant": tenant, "admin": admin_api}[routes]
     for router in (*routers, health.router):

@@ -11,7 +11,10 @@ from app.auth.admin_auth import AdminAuth
 from app.auth.authenticator import Authenticator, Principal
 from app.budgets.guard import BudgetGuard
 from app.errors import ModelNotFound
+from app.files.blobs import FileBlobs
+from app.files.store import FileStore
 from app.limits import LimiterBackend
+from app.limits.refusal_cache import RefusalCache
 from app.metering.delivery import UsageDelivery
 from app.metering.request_record import RequestObserver
 from app.served_models.adapter_resolver import AdapterResolver
@@ -45,6 +48,17 @@ class Services:
     limiter_fail_open: bool = False
     budget_guard: BudgetGuard | None = None  # money at admission (issue 29); None: requests are not priced
     observers: list[RequestObserver] = field(default_factory=list)
+    # Requests-per-minute refusals kept for a moment, so a refused flood is answered before its body is
+    # parsed and without a limiter call each (issue 35); this process's own.
+    refusals: RefusalCache = field(default_factory=RefusalCache)
+    _files: FileStore | None = field(default=None, repr=False)
+
+    def file_store(self) -> FileStore:
+        """The Files API's store, made on first use: its bytes beside the adapters (in their store's
+        backend), its rows in the platform database."""
+        if self._files is None:
+            self._files = FileStore(self.session_factory, FileBlobs(self.settings.resolved_adapter_store()))
+        return self._files
 
     async def resolve(self, principal: Principal, model: str) -> Target:
         base = self.catalog.get(model)

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adapters.store import store_location
 from app.private_files import publish_secret
-from app.schemas.openai import MAX_PROMPTS
+from app.schemas.openai import MAX_INPUT_ITEMS, MAX_MESSAGES, MAX_PROMPTS
 from billing.db import PoolConfig
 from deployments.engine.interface import MAX_N
 
@@ -39,7 +39,104 @@ class ResponsesConfig(BaseModel):
             "and is refused (400) with 'disabled'."
         ),
     )
-    max_input_items: int = Field(default=1024, ge=1, description="Most items in one request's `input` list.")
+    max_input_items: int = Field(
+        default=1024, ge=1, le=MAX_INPUT_ITEMS, description="Most items in one request's `input` list."
+    )
+    sweep_interval_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "How often each ingress deletes expired stored responses of every tenant (in batches); until "
+            "then they read as missing but take space."
+        ),
+    )
+
+
+class FilesConfig(BaseModel):
+    """Settings.files, as JSON in LORAPLEX_FILES: {"max_bytes": 104857600, ...} (issue 37)."""
+
+    max_bytes: int = Field(
+        default=100 * 2**20,
+        ge=1,
+        description=(
+            "Largest file one upload to POST /v1/files may hold, in bytes; past it the upload is refused "
+            "(413 file_too_large) as it streams, the rest never read."
+        ),
+    )
+    max_lines: int = Field(
+        default=50_000,
+        ge=1,
+        description="Most JSONL lines (requests) one file may hold; more is refused (400 too_many_lines).",
+    )
+    retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "A file expires this long after its upload unless the upload asks for less (expires_after); "
+            "then it reads as missing and the sweep removes it and its bytes."
+        ),
+    )
+    output_retention_days: float = Field(
+        default=30.0, gt=0, description="How long a batch's output and error files are kept."
+    )
+    sweep_interval_s: float = Field(
+        default=300.0, gt=0, description="How often each ingress deletes every tenant's expired files."
+    )
+
+
+class BatchesConfig(BaseModel):
+    """Settings.batches, as JSON in LORAPLEX_BATCHES: {"max_active": 10, ...} (issue 37)."""
+
+    max_active: int = Field(
+        default=10,
+        ge=1,
+        description=(
+            "Batches one tenant may have that are not finished (validating, in progress, finalizing or "
+            "cancelling); one more is refused (429 batch_limit_exceeded) until one ends."
+        ),
+    )
+    max_models: int = Field(
+        default=64,
+        ge=1,
+        description="Distinct models (base models or adapters) the lines of one batch may name.",
+    )
+    max_errors: int = Field(
+        default=1000,
+        ge=1,
+        description="Most line errors a failed batch lists (its first, by line); validation stops there.",
+    )
+    run_lines: bool = Field(
+        default=True,
+        description="Whether this ingress replica runs batch lines (app/batches/runner.py); every one does.",
+    )
+    max_in_flight_per_tenant: int = Field(
+        default=16,
+        ge=1,
+        description=(
+            "Lines of one tenant's batches running at once, across replicas: its money is held only for "
+            "these, so a batch never starves the tenant's interactive requests of credit."
+        ),
+    )
+    max_in_flight: int = Field(
+        default=64, ge=1, description="Batch lines one ingress replica runs at once, of every tenant."
+    )
+    lease_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "How long a claimed line is its runner's without renewal (renewed every third of it while it "
+            "runs); a line whose lease lapsed (its replica died) is claimed again. Also how long a batch "
+            "left finalizing waits before another replica finalizes it."
+        ),
+    )
+    poll_interval_s: float = Field(
+        default=1.0, gt=0, description="How often an idle runner looks for queued lines and finished batches."
+    )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Claims of one line (the platform failed it, 5xx, or its runner died) before it fails.",
+    )
 
 
 class Settings(BaseSettings):
@@ -186,7 +283,9 @@ class Settings(BaseSettings):
             "ready or not only. The admin listener always names them."
         ),
     )
-    max_messages: int = Field(default=1024, ge=1, description="Most chat messages in one request.")
+    max_messages: int = Field(
+        default=1024, ge=1, le=MAX_MESSAGES, description="Most chat messages in one request."
+    )
     max_prompt_chars: int = Field(
         default=1_000_000,
         ge=1,
@@ -214,6 +313,14 @@ class Settings(BaseSettings):
     responses: ResponsesConfig = Field(
         default_factory=ResponsesConfig,
         description='The Responses API\'s stored responses, as JSON: {"retention_days": 30, ...}.',
+    )
+
+    files: FilesConfig = Field(
+        default_factory=FilesConfig,
+        description='The Files API, as JSON: {"max_bytes": 104857600, "max_lines": 50000, ...}.',
+    )
+    batches: BatchesConfig = Field(
+        default_factory=BatchesConfig, description='The Batch API, as JSON: {"max_active": 10, ...}.'
     )
 
     @field_validator("admin_key")

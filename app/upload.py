@@ -13,6 +13,7 @@ truncated body would look complete. Hence our own byte count and the `on_end` fl
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from io import BufferedWriter
@@ -103,8 +104,17 @@ class _Part:
 class _Receiver:
     """python-multipart callbacks: parse headers and collect data; file I/O is left to `flush()`."""
 
-    def __init__(self, directory: Path, allowed_file_fields: set[str], max_fields: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        allowed_file_fields: set[str],
+        max_fields: int,
+        on_data: Callable[[str, bytearray], None] | None = None,
+        on_field: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.directory = directory
+        self.on_data = on_data
+        self.on_field = on_field
         self.allowed = allowed_file_fields
         self.max_fields = max_fields
         self.parts: list[_Part] = []
@@ -187,6 +197,8 @@ class _Receiver:
         part.done = True
         if part.path is None:  # decoded now, so a bad field fails before the files that follow it
             self.fields[part.name] = _decode(part.data, f"field '{part.name}'")
+            if self.on_field is not None:
+                self.on_field(part.name, self.fields[part.name])
         self.current = None
 
     def on_end(self) -> None:
@@ -203,6 +215,8 @@ class _Receiver:
         """Write out buffered file data, closing finished files; runs in a worker thread."""
         for part in filter(self._due, self.parts):
             assert part.path is not None
+            if self.on_data is not None:  # checked before written: a refused part's bytes stop here
+                self.on_data(part.name, part.data)
             if part.handle is None:
                 part.handle = open(part.path, "xb")  # noqa: SIM115 - stays open across flushes
             part.handle.write(part.data)
@@ -249,12 +263,17 @@ async def receive_upload(
     max_bytes: int,
     max_fields: int = 16,
     allowed_file_fields: set[str],
+    on_data: Callable[[str, bytearray], None] | None = None,
+    on_field: Callable[[str, str], None] | None = None,
 ) -> Upload:
     """Receive a multipart/form-data body: text fields in memory (4 KiB each), files streamed to disk.
 
     `max_bytes` bounds the whole body as sent (multipart framing included). `max_fields` bounds the number
-    of parts, files included. On success the caller owns `Upload.directory` and must call `cleanup()`;
-    on any error (APIError, ClientDisconnect, cancellation) the directory is already gone.
+    of parts, files included. `on_data(field, data)` sees each file's bytes in order, in a worker thread
+    (up to FLUSH_BYTES at a time, before they are written), and may refuse them by raising; `on_field(name,
+    value)` sees each text field as it ends (on the event loop: cheap checks only), likewise. On success
+    the caller owns `Upload.directory` and must call `cleanup()`; on any error (APIError,
+    ClientDisconnect, cancellation) the directory is already gone.
     """
     unsafe = sorted(name for name in allowed_file_fields if not _SAFE_FIELD.match(name))
     if unsafe:
@@ -268,7 +287,7 @@ async def receive_upload(
             raise _too_large(f"Upload of {_mb(int(declared))} exceeds the {_mb(max_bytes)} limit.")
 
     directory = tmp_root / uuid.uuid4().hex
-    receiver = _Receiver(directory, allowed_file_fields, max_fields)
+    receiver = _Receiver(directory, allowed_file_fields, max_fields, on_data, on_field)
     try:
         parser = MultipartParser(boundary, receiver.callbacks())
     except FormParserError as error:  # e.g. a boundary over 256 bytes

@@ -77,12 +77,18 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
 
-async def measure(requests: int, blocks: int) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+def scratch_settings(prefix: str) -> tuple[Settings, Path]:
+    """Settings over a fresh, migrated SQLite database in a new temporary folder, and the tiny model."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     model_dir = ensure_model(Path("var/bench/tiny-llama"), arch="llama", preset="tiny")
     url = f"sqlite:///{work / 'db.sqlite'}"
     upgrade(url)
-    settings = Settings(data_dir=work, database_url=url, admin_key=secrets.token_urlsafe(32))
+    return Settings(data_dir=work, database_url=url, admin_key=secrets.token_urlsafe(32)), model_dir
+
+
+async def measure(requests: int, blocks: int) -> dict[str, Any]:
+    settings, model_dir = scratch_settings("gateway-bench-")
+    url = settings.database_url
     handle = serve.run(instant_engine.bind(), name="gateway-bench", route_prefix=None)
     client = ServeEngineClient({"bench": handle})
     specs = {"bench": BaseModelSpec(model_dir)}

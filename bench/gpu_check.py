@@ -5,10 +5,11 @@ Run on a lent GPU machine (README "On a CUDA GPU" says how to carry the wheels),
 Steps, each bounded in time and recorded even when it fails (DIR/gpu_check.json, rewritten after each):
   env          - torch, CUDA, Triton, the GPU;
   kernels      - tests/engine/test_gpu_kernels.py on the GPU (each Triton kernel against its torch reference);
-  correctness  - tiny random-init models built here (Llama, Qwen2, Mistral), fp32: a mixed batch of 5 adapters
-                 and the base through our CUDA engine (graph-captured decode) equals HF PEFT with each adapter
-                 alone, token for token, logprobs within 1e-3; the same engine with graphs off gives the same
-                 tokens; bf16 agreement with fp32 PEFT is reported (not asserted: bf16 rounds differently);
+  correctness  - tiny random-init models built here (Llama, Qwen2, Mistral, Phi-3's fused linears, Qwen3,
+                 Gemma 3), fp32: a mixed batch of 5 adapters and the base through our CUDA engine
+                 (graph-captured decode) equals HF PEFT with each adapter alone, token for token, logprobs
+                 within 1e-3; the same engine with graphs off gives the same tokens; bf16 agreement with fp32
+                 PEFT is reported (not asserted: bf16 rounds differently);
   host         - bench.host_overhead --device cuda on the tiny and narrow-22 presets;
   lora_bf16    - bench.multi_lora --device cuda on bench-1b (TinyLlama's shape), adapters vs base and the step
                  against its weight-read floor, with ours-base vs HF generate;
@@ -73,7 +74,9 @@ def correctness(device: str, *, tiny: bool = False, with_bf16: bool = False) -> 
     arrivals = script()  # 5 adapters and the base, arriving at different steps, chunked prefill, preemption
     if tiny:
         arrivals = arrivals[:3]
-    archs: tuple[Arch, ...] = ("llama",) if tiny else ("llama", "qwen2", "mistral")
+    archs: tuple[Arch, ...] = (
+        ("llama",) if tiny else ("llama", "qwen2", "mistral", "phi3", "qwen3", "gemma3_text")
+    )
     for arch in archs:
         model_dir = build_model(root / arch / "model", arch=arch, preset="tiny")
         adapter_dirs = build_demo_adapters(model_dir, root / arch / "adapters")

@@ -13,14 +13,20 @@ hidden 64: per-layer dispatch is what dominates a GPU step, and this shows it wi
 
 Run:  python -m bench.host_overhead [--tiny] [--preset tiny|narrow-22] [--device cpu|cuda] [--rounds N]
 The last line is one JSON object; the phases are medians over rounds of per-step means, in ms.
+`--vs DIR --runs N`: this checkout's engine and DIR's (a repository root, e.g. `git worktree add DIR <commit>`
+before a change) each run this script N times in turns, as child processes with the other flags; the JSON
+then has each side's phases (medians over its runs) and this/ref ratios taken run pair by run pair.
+`--clock thread` times this thread's CPU: on a shared VM a neighbour's time slices then do not count.
 """
 
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from adapters.ref import AdapterRef
@@ -37,7 +43,7 @@ PHASES = ("schedule", "metadata", "forward", "sampling", "outputs")
 class PhaseClock:
     """Wraps the engine's phase methods on this instance and adds their wall time per step."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, now: Callable[[], float] = time.perf_counter) -> None:
         self.engine = engine
         self.totals: dict[str, float] = defaultdict(float)
         self.steps = 0
@@ -47,11 +53,11 @@ class PhaseClock:
             inner: Callable[..., Any] = getattr(owner, name)
 
             def run(*args: Any, **kwargs: Any) -> Any:
-                start = time.perf_counter()
+                start = now()
                 try:
                     return inner(*args, **kwargs)
                 finally:
-                    self.totals[phase] += time.perf_counter() - start
+                    self.totals[phase] += now() - start
 
             setattr(owner, name, run)
 
@@ -60,11 +66,12 @@ class PhaseClock:
         timed(engine.runner, "run", "run")  # includes prepare; forward = run - metadata
         timed(engine.logits, "sample", "sampling")
         self.cuda = cuda
+        self.now = now
 
     def step(self) -> float:
-        start = time.perf_counter()
+        start = self.now()
         self.engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed = self.now() - start
         self.totals["step"] += elapsed
         self.steps += 1
         return elapsed
@@ -127,6 +134,33 @@ def ops_per_step(engine: LLMEngine, refs: list[AdapterRef | None]) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
+def bench_engine(
+    model_dir: Path, store_root: Path, adapter_names: Iterable[str], *, device: str, batch: int, adapters: int
+) -> tuple[LLMEngine, list[AdapterRef]]:
+    """An fp32 engine for `batch` decoding sequences with a slot per rank-16 adapter, and the adapters' refs,
+    each already in CPU memory (loads finishing mid-round would be timed)."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            adapter_store=store_root,
+            dtype="float32",
+            device=device,
+            max_loras=adapters,
+            max_lora_rank=16,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(512, 16 * batch),
+            kv_cache_memory_mb=256,
+            enable_prefix_caching=False,
+        )
+    )
+    refs = [engine.adapters.store.latest(name) for name in adapter_names]
+    for ref in refs:
+        future = engine.adapters.prefetch(ref)
+        if future is not None:
+            future.result()
+    return engine, refs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,34 +172,32 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per round")
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "thread"],
+        help="thread: this thread's CPU time, so a busy neighbour's time slices do not count; the host "
+        "phases run on this thread alone (forward is then its share of the forward)",
+    )
+    parser.add_argument("--vs", metavar="DIR", help="compare with the checkout at DIR (see above)")
+    parser.add_argument("--runs", type=int, default=5, help="with --vs: runs of each checkout, in turns")
+    args, passed = parser.parse_known_args()
+    if args.vs:
+        print(json.dumps(versus(args.vs, args.runs, _without_vs(sys.argv[1:]))))
+        return
+    if passed:
+        parser.error(f"unrecognized arguments: {' '.join(passed)}")
     if args.tiny:
         args.batch, args.adapters, args.steps, args.rounds = 8, 2, 6, 2
     model_dir, store_root, adapter_dirs = ensure_bench_assets(
         preset=args.preset, num_adapters=args.adapters, rank=16
     )
-    engine = LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            adapter_store=store_root,
-            dtype="float32",
-            device=args.device,
-            max_loras=args.adapters,
-            max_lora_rank=16,
-            max_num_seqs=args.batch,
-            max_num_batched_tokens=max(512, 16 * args.batch),
-            kv_cache_memory_mb=256,
-            enable_prefix_caching=False,
-        )
+    engine, refs = bench_engine(
+        model_dir, store_root, adapter_dirs, device=args.device, batch=args.batch, adapters=args.adapters
     )
-    refs = [engine.adapters.store.latest(name) for name in adapter_dirs]
-    for ref in refs:
-        future = engine.adapters.prefetch(ref)
-        if future is not None:
-            future.result()
     lora_refs: list[AdapterRef | None] = [refs[i % len(refs)] for i in range(args.batch)]
     base_refs: list[AdapterRef | None] = [None] * args.batch
-    clock = PhaseClock(engine)
+    clock = PhaseClock(engine, time.thread_time if args.clock == "thread" else time.perf_counter)
     phases: dict[str, list[dict[str, float]]] = {"base": [], "lora": []}
 
     def peer(name: str, batch_refs: list[AdapterRef | None]) -> Callable[[], float]:
@@ -198,10 +230,61 @@ def main() -> None:
             "base": ops_per_step(engine, base_refs),
             "lora": ops_per_step(engine, lora_refs),
         },
+        "clock": args.clock,
         "machine": machine("float32"),
     }
     engine.close()
     print(json.dumps(result))
+
+
+def _without_vs(argv: list[str]) -> list[str]:
+    """The flags for the child runs: these minus --vs and --runs (and their values)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--vs", "--runs"):
+            skip = True
+        elif not arg.startswith(("--vs=", "--runs=")):
+            out.append(arg)
+    return out
+
+
+def versus(ref: str, runs: int, child_args: list[str]) -> dict[str, Any]:
+    """This checkout against `ref`, `runs` runs each in turns: each side's phases (medians over its runs) and
+    per-pair ratios of the outside-forward part (outputs) and the whole step."""
+    from bench.measure import checkouts_in_turns  # here: a ref checkout's bench.measure may not have it
+
+    checkouts = {"this": str(Path.cwd()), "ref": ref}
+    results = checkouts_in_turns(Path(__file__).resolve(), child_args, checkouts, runs=runs)
+    peers = ("base", "lora")
+
+    def phases(side: str) -> dict[str, dict[str, float]]:
+        return {
+            peer: {
+                p: round(statistics.median(r["phases_ms"][peer][p] for r in results[side]), 4)
+                for p in (*PHASES, "step")
+            }
+            for peer in peers
+        }
+
+    def ratios(phase: str) -> dict[str, dict[str, float]]:
+        pairs = list(zip(results["this"], results["ref"], strict=True))
+        return {
+            peer: spread([a["phases_ms"][peer][phase] / b["phases_ms"][peer][phase] for a, b in pairs])
+            for peer in peers
+        }
+
+    return {
+        "checkouts": {"this": str(Path.cwd()), "ref": str(Path(ref).resolve())},
+        "runs": runs,
+        "args": child_args,
+        "phases_ms": {side: phases(side) for side in ("this", "ref")},
+        "outputs_this_vs_ref": ratios("outputs"),
+        "step_this_vs_ref": ratios("step"),
+        "machine": results["this"][0]["machine"],
+    }
 
 
 if __name__ == "__main__":

@@ -37,12 +37,12 @@ def regex_parse(text: str, names: frozenset[str]) -> tuple[str | None, list[Pars
     pieces: list[str] = []
     position = 0
     for match in _BLOCK.finditer(text):
-        call = parse_block(match.group(1), names)
-        if call is None:
+        block = parse_block(match.group(1), names)
+        if block is None:
             continue
         pieces.append(text[position : match.start()].rstrip())
         position = match.end()
-        calls.append(call)
+        calls.extend(block)
     if not calls:
         return text, []
     pieces.append(text[position:].rstrip())

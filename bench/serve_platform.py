@@ -203,12 +203,12 @@ def build_adapters(model_dir: Path, ranks: list[int], out_root: Path, seed: int 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from deployments.engine.config import DEFAULT_LORA_TARGETS
+    from bench.assets import lora_targets
 
     out: list[Path] = [out_root / f"a{i:03d}-r{r}" for i, r in enumerate(ranks)]
     for rank in sorted(set(ranks)):
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(DEFAULT_LORA_TARGETS))
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=lora_targets(base))
         model = get_peft_model(base, config)
         for i, r in enumerate(ranks):
             if r != rank:

@@ -7,7 +7,9 @@ round (A's throughput over B's, seconds apart) and reported as its median and sp
 on the VM hits both. Also: grammar compile time (p50/p99 over the schema
 set of bench/grammar_libraries.py, each compiled cold), the mask's cost per constrained token (filling
 and applying it, timed inside the engine step), and the budget-aware closing's upkeep per constrained token
-(GrammarMatcher.take: the closing kept or re-planned after each token).
+(GrammarMatcher.take: the closing kept or re-planned after each token). And issue 34's stall: a
+neighbour's 40-token output beside a request whose schema's string the closing could not end (its walk ran
+to its bound at every token), over the same output alone, interleaved (goal <= 2x).
 
 The ceiling is 1.0 (constraining cannot make the model faster); the goal is >= 0.9.
 
@@ -121,6 +123,33 @@ def batch(
     return out
 
 
+# The issue 34 stall: a string the closing's order cannot end, opened by a logit_bias. Before the fix its
+# walk ran to its 4,096-byte bound for each alternative at every token, on the engine's loop.
+STALLING = {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^[B-G]*~$"}]}
+
+
+def neighbour_seconds(engine: LLMEngine, tag: str, stall: bool) -> float:
+    """Wall seconds until a neighbour's 40-token greedy output ends, alone or beside the stalling request."""
+    neighbour = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest(f"{tag}-neighbour", [5, 6, 7, 8], neighbour))
+    if stall:
+        quote, letter = (engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in ('"', "B"))
+        biased = SamplingParams(
+            max_tokens=40,
+            temperature=0.0,
+            logit_bias=((quote, 100.0), (letter, 60.0)),
+            structured=StructuredOutput(json.dumps(STALLING)),
+        )
+        engine.add_request(EngineRequest(f"{tag}-stall", [9, 10, 11], biased))
+    start, done = time.perf_counter(), None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == f"{tag}-neighbour" and out.finish_reason is not None:
+                done = time.perf_counter() - start
+    assert done is not None
+    return done
+
+
 def compile_times(engine: LLMEngine, count: int) -> list[float]:
     """Cold compile times in ms: each schema once (no cache hits), after the compiler's one-time tokenizer
     conversion."""
@@ -176,6 +205,12 @@ def main() -> None:
         runs = Interleaved({name: partial(rate, name) for name in ("constrained", "free")}, repeats=repeats)
         runs = runs.run()
     rates, ratio = runs.samples, runs.ratio("constrained", "free")
+
+    def neighbour(name: str) -> float:
+        return neighbour_seconds(engine, f"{name}{next(ids)}", stall=name == "beside")
+
+    stalls = Interleaved({name: partial(neighbour, name) for name in ("beside", "alone")}, repeats=repeats)
+    stall_ratio = stalls.run().ratio("beside", "alone")
     compiles = compile_times(engine, 6 if args.tiny else len(SCHEMAS))
     constrained, free = runs.median("constrained"), runs.median("free")
     mask_us = timer.seconds / max(1, timer.rows) * 1e6
@@ -193,7 +228,12 @@ def main() -> None:
     print(f"mask per constrained token: {mask_us:.1f} us (fill + apply)")
     closing_us = closing.seconds / max(1, closing.tokens) * 1e6
     print(f"closing per constrained token: {closing_us:.1f} us (follow, check, re-plan; in the engine step)")
+    print(
+        f"a neighbour's 40 tokens beside the stalling schema / alone: {stall_ratio['median']:.2f}x "
+        f"({stall_ratio['min']:.2f}..{stall_ratio['max']:.2f}; goal <= 2x)"
+    )
     result = {
+        "stall_neighbour_ratio": stall_ratio,
         "throughput_ratio": round(ratio["median"], 4),
         "throughput_ratio_spread": ratio,
         "throughput_ratio_ceiling": 1.0,

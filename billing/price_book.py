@@ -10,7 +10,6 @@ Costs use billing.pricing's arithmetic: each part (input, cached input, output, 
 6 decimals, half to even, then summed.
 """
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import ROUND_CEILING, Context, Decimal, localcontext
@@ -19,12 +18,15 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from billing import repository
-from billing.models import PriceChange, Tenant, Tier, UsageEvent, utcnow
+from billing.models import PriceChange, UsageEvent, utcnow
 from billing.pricing import (
     MILLION,
     MONEY_STEP,
     ZERO,
+    PriceRows,
     Prices,
+    as_prices,
+    choose,
     gpu_cost,
     gpu_seconds_of,
     ms_decimal,
@@ -95,65 +97,23 @@ def prices_at(
     return as_prices(best, tenant.tier)
 
 
-def choose(
-    rows: Iterable[PriceChange],
-    *,
-    tenant_id: str,
-    tier: str,
-    base_model: str,
-    adapter_id: str | None,
-    at: datetime,
-) -> PriceChange | None:
-    """The row in force: of those that apply at `at`, the most specific scope's latest."""
-    applying = [
-        r for r in rows
-        if r.effective_from <= at
-        and ((r.tier == tier and r.tenant_id is None) or r.tenant_id == tenant_id)
-        and r.base_model in (None, base_model)
-        and r.adapter_id in (None, adapter_id)
-    ]  # fmt: skip
-    if not applying:
-        return None
-    return max(applying, key=lambda r: (_specificity(r), r.effective_from, r.created_at))
-
-
-def as_prices(row: PriceChange, tier: str) -> Prices:
-    return Prices(
-        tier=tier,
-        currency=row.currency,
-        input_per_mtok=Decimal(row.input_per_mtok),
-        cached_input_per_mtok=Decimal(row.cached_input_per_mtok),
-        output_per_mtok=Decimal(row.output_per_mtok),
-        gpu_per_second=Decimal(row.gpu_per_second),
-    )
-
-
-class PriceHistory:
+class PriceHistory(PriceRows):
     """Every price row, tier and tenant's tier, read once: what many usage rows cost at the prices in force
     when each started (reconciliation, and the rollups' cost for rows settled without one)."""
 
-    def __init__(self, session: Session) -> None:
-        self._rows = list(session.scalars(select(PriceChange)))
-        self._tiers = {tier.name: tier for tier in session.scalars(select(Tier))}
-        self._tier_of = dict(session.execute(select(Tenant.id, Tenant.tier)).tuples().all())
-
     def cost(self, event: UsageEvent) -> Decimal | None:
         """The row's usage at the prices in force when it started; None when no price covers it."""
-        tier = self._tier_of.get(event.tenant_id, "")
-        chosen = choose(self._rows, tenant_id=event.tenant_id, tier=tier, base_model=event.base_model,
-                        adapter_id=event.adapter_id, at=event.started_at)  # fmt: skip
-        if chosen is not None:
-            prices = as_prices(chosen, tier)
-        elif tier in self._tiers:
-            prices = tier_prices(self._tiers[tier])
-        else:
+        priced = self.priced(event)
+        return None if priced is None else priced[0]
+
+    def priced(self, event: UsageEvent) -> tuple[Decimal, str] | None:
+        """The row's cost at the prices in force when it started, and their currency; None when no price
+        covers it."""
+        prices = self.prices(event.tenant_id, event.base_model, event.adapter_id, event.started_at)
+        if prices is None:
             return None
-        return cost_of(Metered(event.prompt_tokens, event.cached_tokens, event.completion_tokens,
-                               event.gpu_ms), prices)  # fmt: skip
-
-
-def _specificity(row: PriceChange) -> tuple[bool, bool, bool]:
-    return (row.adapter_id is not None, row.base_model is not None, row.tenant_id is not None)
+        used = Metered(event.prompt_tokens, event.cached_tokens, event.completion_tokens, event.gpu_ms)
+        return cost_of(used, prices), prices.currency
 
 
 def cost_of(used: Metered, prices: Prices) -> Decimal:

@@ -30,6 +30,7 @@ from billing.models import (
     LIMIT_FIELDS,
     ApiKey,
     PriceChange,
+    StoredFile,
     StoredResponse,
     Tenant,
     TenantStatus,
@@ -49,6 +50,7 @@ UNSET: Final = _Unset.UNSET
 OnLimit = Literal["reject", "queue"]
 ON_LIMIT_VALUES: Final = ("reject", "queue")
 MAX_QUEUE_MS: Final = 60_000
+MAX_WEIGHT: Final = 1000.0  # a tier's weight: its tenants' share of a replica against weight-1 tenants
 # The columns' ranges: INTEGER is 32-bit on PostgreSQL, tpm is BIGINT.
 _INT32_MAX: Final = 2**31 - 1
 LIMIT_MAX: Final = {
@@ -56,6 +58,7 @@ LIMIT_MAX: Final = {
     "tpm": 2**63 - 1,
     "max_concurrent": _INT32_MAX,
     "max_tokens_cap": _INT32_MAX,
+    "max_stored_response_bytes": 2**63 - 1,  # a tier's only: its tenants' stored responses (issue 35)
 }
 
 
@@ -65,6 +68,26 @@ def check_limit(field: str, value: object) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= LIMIT_MAX[field]:
         raise InvalidLimits(field, value, f"a positive integer up to {LIMIT_MAX[field]} or null (unlimited)")
+    return value
+
+
+def check_weight(weight: object) -> float:
+    """A tier's weight as stored: a number above 0, up to MAX_WEIGHT."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= MAX_WEIGHT:
+        raise InvalidLimits("weight", weight, f"a number above 0 and up to {MAX_WEIGHT:g}")
+    return float(weight)
+
+
+def check_price_factor(factor: object) -> Decimal:
+    """A tier's batch price factor as stored: 0 to 1 (a batch line costs at most an interactive one)."""
+    try:
+        value = Decimal(str(factor))
+    except ArithmeticError:
+        raise InvalidPrice("batch_price_factor", factor, "a number from 0 to 1") from None
+    exponent = value.as_tuple().exponent
+    places = -exponent if isinstance(exponent, int) else 99
+    if isinstance(factor, bool) or not value.is_finite() or not 0 <= value <= 1 or places > 4:
+        raise InvalidPrice("batch_price_factor", factor, "a number from 0 to 1, at most 4 decimals")
     return value
 
 
@@ -151,14 +174,19 @@ def create_tier(
     price_output_per_mtok: Decimal | int | str = 0,
     price_gpu_per_second: Decimal | int | str = 0,
     currency: str = "usd",
+    weight: float = 1.0,
+    max_stored_response_bytes: int | None = None,
+    batch_price_factor: Decimal | int | str = Decimal("0.5"),
 ) -> Tier:
-    """A new tier; limits default to None (unlimited), prices to 0. Raises TierExists, InvalidLimits
-    (InvalidPrice for a price or the currency)."""
+    """A new tier; limits default to None (unlimited), prices to 0, the weight to 1. Raises TierExists,
+    InvalidLimits (InvalidPrice for a price or the currency)."""
     limits = {
         field: check_limit(field, value)
         for field, value in zip(LIMIT_FIELDS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True)
     }
     check_on_limit(on_limit, max_queue_ms)
+    weight = check_weight(weight)
+    stored_bytes = check_limit("max_stored_response_bytes", max_stored_response_bytes)
     price_values = (
         price_input_per_mtok,
         price_cached_input_per_mtok,
@@ -175,6 +203,9 @@ def create_tier(
         on_limit=on_limit,
         max_queue_ms=max_queue_ms,
         currency=currency,
+        weight=weight,
+        max_stored_response_bytes=stored_bytes,
+        batch_price_factor=check_price_factor(batch_price_factor),
         **limits,
         **prices,
     )
@@ -200,18 +231,24 @@ def update_tier(
     price_output_per_mtok: Decimal | int | str | _Unset = UNSET,
     price_gpu_per_second: Decimal | int | str | _Unset = UNSET,
     currency: str | _Unset = UNSET,
+    weight: float | _Unset = UNSET,
+    max_stored_response_bytes: int | _Unset | None = UNSET,
+    batch_price_factor: Decimal | int | str | _Unset = UNSET,
 ) -> Tier:
     """Change what is given (UNSET: left as it is; None for a limit: unlimited). All or nothing: the
     result is checked as a whole (on_limit 'queue' needs max_queue_ms > 0) before anything is written.
     Raises TierNotFound, InvalidLimits (InvalidPrice for a price or the currency). Tenants on the tier see
-    new limits once their cached keys expire; new prices apply to every bill computed from then on, past
-    periods included (billing.pricing uses the current prices)."""
+    new limits once their cached keys expire; new prices apply from now on (a new price history row): what
+    was settled keeps its cost, and bills (billing.pricing) show the settled costs."""
     tier = get_tier(s, name=name)
     limits = _given(dict(zip(LIMIT_FIELDS, (rpm, tpm, max_concurrent, max_tokens_cap), strict=True)))
+    if not isinstance(max_stored_response_bytes, _Unset):
+        limits["max_stored_response_bytes"] = max_stored_response_bytes
     checked = {field: check_limit(field, value) for field, value in limits.items()}
     new_on_limit = tier.on_limit if isinstance(on_limit, _Unset) else on_limit
     new_queue_ms = tier.max_queue_ms if isinstance(max_queue_ms, _Unset) else max_queue_ms
     check_on_limit(new_on_limit, new_queue_ms)
+    new_weight = None if isinstance(weight, _Unset) else check_weight(weight)
     price_values = (
         price_input_per_mtok,
         price_cached_input_per_mtok,
@@ -238,6 +275,10 @@ def update_tier(
         _assign(tier, "currency", new_currency)
     _assign(tier, "on_limit", new_on_limit)
     _assign(tier, "max_queue_ms", new_queue_ms)
+    if new_weight is not None:
+        _assign(tier, "weight", new_weight)
+    if not isinstance(batch_price_factor, _Unset):
+        _assign(tier, "batch_price_factor", check_price_factor(batch_price_factor))
     s.flush()
     if _price_columns(tier) != before:  # a new row in the history; what was settled keeps its cost
         record_tier_prices(s, tier)
@@ -369,7 +410,8 @@ def _assign(row: Tier | Tenant, field: str, value: object) -> None:
 
 
 def disable_tenant(s: Session, *, tenant_id: str) -> Tenant:
-    """Disable the tenant, revoke its keys and delete its stored responses (the Responses API's). Idempotent:
+    """Disable the tenant, revoke its keys, delete its stored responses (the Responses API's) and expire its
+    files (the ingress's sweep removes them with their bytes, which live in the adapter store). Idempotent:
     a second call changes nothing."""
     tenant = get_tenant(s, tenant_id=tenant_id)
     if tenant.status != TenantStatus.DISABLED:
@@ -382,6 +424,11 @@ def disable_tenant(s: Session, *, tenant_id: str) -> Tenant:
             .values(revoked_at=now)
         )
         s.execute(delete(StoredResponse).where(StoredResponse.tenant_id == tenant_id))
+        s.execute(
+            update(StoredFile)
+            .where(StoredFile.tenant_id == tenant_id, StoredFile.expires_at > now)
+            .values(expires_at=now)
+        )
     s.flush()
     return tenant
 

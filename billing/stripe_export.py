@@ -3,12 +3,13 @@
 Five meters sum per customer: four quantities (uncached input tokens, cached input tokens, output tokens,
 GPU ms) and one amount of money, the rollup's settled cost in micro-units (the sum of its usage rows' costs,
 each fixed at our prices when the request ran), so per-tenant, per-adapter and historical prices reach the
-invoice. A tenant's usage from the hour of its first credit entry on is prepaid: money already collected, so
-none of its meters is sent (its rows are 'skipped', so the log still accounts for it). For
-each closed rollup of a tenant with a Stripe customer, and each meter, the export log (stripe_exports) holds
-one row per increase: revision r carries what that rollup's meter grew by since the rows before it, under the
-identifier "<rollup id>-<meter key>-r<r>". A late event that lands in an exported hour therefore becomes a
-new revision carrying just the increase; a rollup that did not grow produces nothing.
+invoice. A tenant's usage from the hour it became prepaid (tenants.prepaid_since, its first credit granted)
+on is paid from credit: money already collected, so none of its meters is sent (its rows are 'skipped', so
+the log still accounts for it). For each closed rollup of a tenant with a Stripe customer, and each meter,
+the export log (stripe_exports) holds one row per increase: revision r carries what that rollup's meter grew
+by since the rows before it, under the identifier "<rollup id>-<meter key>-r<r>". A late event that lands in
+an exported hour therefore becomes a new revision carrying just the increase; a rollup that did not grow
+produces nothing.
 
 Planning (rows created 'pending') and sending are separate, and each delivered event is committed on its own,
 so a crash loses nothing: a row whose event Stripe got but whose commit was lost stays 'pending' and is sent
@@ -35,7 +36,7 @@ from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from billing.models import CreditEntry, StripeExport, Tenant, UsageRollup, utcnow
+from billing.models import StripeExport, Tenant, UsageRollup, utcnow
 from billing.stripe_config import StripeConfig
 from billing.usage import closed_before, hour_of
 
@@ -219,12 +220,13 @@ def plan_exports(session_factory: sessionmaker[Session], config: StripeConfig, *
 class _Candidate:
     rollup: UsageRollup
     customer: str
-    prepaid_since: datetime | None  # the tenant's first credit entry
+    prepaid_since: datetime | None  # when the tenant's first credit was granted
 
     @property
     def prepaid(self) -> bool:
-        """Usage from the hour of the first credit entry on was held against credit: already paid. (The
-        part of that hour before it is not invoiced either: never twice beats once too few.)"""
+        """Usage from the hour the tenant became prepaid on is paid from credit (billing.credit counts it
+        from the same hour): already paid. (The part of that hour before it is not invoiced either: never
+        twice beats once too few.)"""
         since = self.prepaid_since
         return since is not None and self.rollup.hour >= hour_of(since)
 
@@ -251,16 +253,10 @@ def _grown_rollups(session: Session, names: Mapping[str, str], *, cutoff: dateti
     def accounted(key: str) -> Any:
         return func.coalesce(sums.c[key], 0)
 
-    first_credit = (
-        select(CreditEntry.tenant_id, func.min(CreditEntry.created_at).label("since"))
-        .group_by(CreditEntry.tenant_id)
-        .subquery()
-    )
     query = (
-        select(UsageRollup, Tenant.stripe_customer_id, first_credit.c.since)
+        select(UsageRollup, Tenant.stripe_customer_id, Tenant.prepaid_since)
         .join(Tenant, Tenant.id == UsageRollup.tenant_id)
         .outerjoin(sums, sums.c.rollup_id == UsageRollup.id)
-        .outerjoin(first_credit, first_credit.c.tenant_id == UsageRollup.tenant_id)
         .where(UsageRollup.hour < cutoff)
         .where(Tenant.stripe_customer_id.is_not(None), Tenant.stripe_customer_id != "")
         .where(

@@ -1,7 +1,8 @@
 """Usage recording (idempotent on request_id) and hourly rollups per tenant, adapter and base model.
 
 Rollups are recomputed from the events for whole hours, so a late event (an outbox that was down) lands in
-its own hour's rollup; the Stripe exporter then sends only the increase (see stripe_export.py).
+its own hour's rollup; the Stripe exporter then sends only the increase (see stripe_export.py). Each
+currency of an hour is a rollup of its own: money in two currencies is never summed.
 hour_expression and as_hour define those UTC hours in SQL; billing.usage_queries groups by them too.
 """
 
@@ -45,6 +46,7 @@ class UsageRecord:
     finished_at: datetime
     cost: str | None = None  # a decimal string (exact through JSON), fixed at settlement; None: unpriced
     currency: str | None = None
+    batch_id: str | None = None  # a Batch API line's batch; None: an interactive request
 
 
 def record_usage(session: Session, records: list[UsageRecord]) -> int:
@@ -70,9 +72,11 @@ def hour_of(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
-def rollup_id(tenant_id: str, adapter_key: str, base_model: str, hour: datetime) -> str:
-    """Deterministic: recomputing an hour keeps its id (and so its Stripe identifiers)."""
-    key = f"{tenant_id}|{adapter_key}|{base_model}|{hour_of(hour).isoformat()}"
+def rollup_id(tenant_id: str, adapter_key: str, base_model: str, hour: datetime, currency: str) -> str:
+    """Deterministic, so two runs making the same rollup collide instead of doubling it. Given once, when
+    the row is made: recomputing finds the row by its key (rows from before 0011 keep ids made without
+    the currency)."""
+    key = f"{tenant_id}|{adapter_key}|{base_model}|{hour_of(hour).isoformat()}|{currency}"
     return "ru_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
@@ -81,69 +85,97 @@ def closed_before(now: datetime, *, grace: timedelta = timedelta(minutes=10)) ->
     return hour_of(now - grace)
 
 
+# A rollup's key: tenant, adapter key, base model, hour, currency.
+RollupKey = tuple[str, str, str, datetime, str]
+NO_CURRENCY = "xxx"  # ISO 4217's code for "no currency": rows no price covers
+
+
+@dataclass
+class _Sums:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    gpu_ms: float = 0.0
+    cost_micros: int = 0
+
+    def add(self, other: "_Sums") -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+
 def rollup_hours(session: Session, *, start: datetime, end: datetime) -> int:
-    """Recompute the rollups of every hour in [hour_of(start), hour_of(end)) from the events. Returns rows."""
+    """Recompute the rollups of every hour in [hour_of(start), hour_of(end)) from the events, one per
+    tenant, adapter, base model and currency. Returns how many rollups the hours have."""
     first, last = hour_of(start), hour_of(end)
     if last <= first:
         return 0
-    hour_expr = hour_expression(session)
-    adapter_key = func.coalesce(UsageEvent.adapter_id, BASE_ADAPTER_KEY)
-    query = (
-        select(
-            UsageEvent.tenant_id,
-            adapter_key.label("adapter_key"),
-            UsageEvent.base_model,
-            hour_expr.label("hour"),
-            func.count().label("requests"),
-            func.sum(UsageEvent.prompt_tokens).label("prompt_tokens"),
-            func.sum(UsageEvent.cached_tokens).label("cached_tokens"),
-            func.sum(UsageEvent.completion_tokens).label("completion_tokens"),
-            func.sum(UsageEvent.gpu_ms).label("gpu_ms"),
-            func.sum(func.round(UsageEvent.cost * MICROS)).label("cost_micros"),  # exact: 6 decimals each
-        )
-        .where(UsageEvent.started_at >= first, UsageEvent.started_at < last)
-        .group_by(UsageEvent.tenant_id, adapter_key, UsageEvent.base_model, hour_expr)
-    )
-    totals = session.execute(query).all()
+    sums = _settled_sums(session, first, last)
+    for key, unpriced in _unpriced_sums(session, first, last).items():
+        sums.setdefault(key, _Sums()).add(unpriced)
     existing = {
-        r.id: r
+        rollup_key(r): r
         for r in session.scalars(
             select(UsageRollup).where(UsageRollup.hour >= first, UsageRollup.hour < last)
         )
     }
-    unpriced = _unpriced_micros(session, first, last)
-    seen: set[str] = set()
-    for row in totals:
-        hour = as_hour(row.hour)
-        rid = rollup_id(row.tenant_id, row.adapter_key, row.base_model, hour)
-        seen.add(rid)
-        values = {
-            "requests": int(row.requests),
-            "prompt_tokens": int(row.prompt_tokens or 0),
-            "cached_tokens": int(row.cached_tokens or 0),
-            "completion_tokens": int(row.completion_tokens or 0),
-            "gpu_ms": float(row.gpu_ms or 0.0),
-            "cost_micros": int(row.cost_micros or 0) + unpriced.get(rid, 0),
-        }
-        rollup = existing.get(rid)
-        if rollup is None:
-            session.add(UsageRollup(id=rid, tenant_id=row.tenant_id, adapter_key=row.adapter_key,
-                                    base_model=row.base_model, hour=hour, **values))  # fmt: skip
-        elif any(getattr(rollup, k) != v for k, v in values.items()):
-            for name, value in values.items():
-                setattr(rollup, name, value)
-    for rid, rollup in existing.items():
-        if rid not in seen:  # its events vanished (only by hand): keep the row, exports point at it
-            rollup.requests = rollup.prompt_tokens = rollup.cached_tokens = rollup.completion_tokens = 0
-            rollup.gpu_ms = 0.0
-            rollup.cost_micros = 0
+    for key, totals in sums.items():
+        _write(session, key, asdict(totals), existing.get(key))
+    for key, rollup in existing.items():
+        if key not in sums:  # its events vanished (only by hand): keep the row, exports point at it
+            _write(session, key, asdict(_Sums()), rollup)
     session.flush()
-    return len(totals)
+    return len(sums)
 
 
-def _unpriced_micros(session: Session, first: datetime, last: datetime) -> dict[str, int]:
-    """Rollup id -> the cost of its rows settled without one (rare: the database was down at admission),
-    at the price history's prices, as billing reconcile bills them."""
+def _write(session: Session, key: RollupKey, values: dict[str, Any], rollup: UsageRollup | None) -> None:
+    """A new rollup for the key, or the existing one changed where it differs (its id is kept)."""
+    if rollup is None:
+        tenant_id, adapter_key, base_model, hour, currency = key
+        rollup = UsageRollup(id=rollup_id(*key), tenant_id=tenant_id, adapter_key=adapter_key,
+                             base_model=base_model, hour=hour, currency=currency)  # fmt: skip
+        session.add(rollup)
+    for name, value in values.items():
+        if getattr(rollup, name) != value:
+            setattr(rollup, name, value)
+
+
+def rollup_key(rollup: UsageRollup) -> RollupKey:
+    return (rollup.tenant_id, rollup.adapter_key, rollup.base_model, as_hour(rollup.hour), rollup.currency)
+
+
+def _settled_sums(session: Session, first: datetime, last: datetime) -> dict[RollupKey, _Sums]:
+    """The rows settled with a cost, summed in SQL per rollup key (their currency is theirs)."""
+    hour_expr = hour_expression(session)
+    adapter_key = func.coalesce(UsageEvent.adapter_id, BASE_ADAPTER_KEY)
+    keys = (UsageEvent.tenant_id, adapter_key, UsageEvent.base_model, hour_expr, UsageEvent.currency)
+    query = (
+        select(
+            *keys,
+            func.count(),
+            func.sum(UsageEvent.prompt_tokens),
+            func.sum(UsageEvent.cached_tokens),
+            func.sum(UsageEvent.completion_tokens),
+            func.sum(UsageEvent.gpu_ms),
+            func.sum(func.round(UsageEvent.cost * MICROS)),  # exact: 6 decimals each
+        )
+        .where(UsageEvent.started_at >= first, UsageEvent.started_at < last, UsageEvent.cost.is_not(None))
+        .group_by(*keys)
+    )
+    sums: dict[RollupKey, _Sums] = {}
+    for tenant_id, adapter, base_model, hour, currency, *totals in session.execute(query).tuples():
+        requests, prompt, cached, completion, gpu_ms, cost = totals
+        key = (tenant_id, adapter, base_model, as_hour(hour), currency or NO_CURRENCY)
+        sums.setdefault(key, _Sums()).add(
+            _Sums(int(requests), int(prompt or 0), int(cached or 0), int(completion or 0),
+                  float(gpu_ms or 0.0), int(cost or 0))
+        )  # fmt: skip
+    return sums
+
+
+def _unpriced_sums(session: Session, first: datetime, last: datetime) -> dict[RollupKey, _Sums]:
+    """The rows settled without a cost (rare: the database was down at admission), each at the price
+    history's prices and in its currency, as billing reconcile bills them."""
     events = session.scalars(
         select(UsageEvent).where(
             UsageEvent.started_at >= first, UsageEvent.started_at < last, UsageEvent.cost.is_(None)
@@ -152,12 +184,16 @@ def _unpriced_micros(session: Session, first: datetime, last: datetime) -> dict[
     if not events:
         return {}
     history = PriceHistory(session)
-    micros: dict[str, int] = {}
+    sums: dict[RollupKey, _Sums] = {}
     for event in events:
-        rid = rollup_id(event.tenant_id, event.adapter_id or BASE_ADAPTER_KEY, event.base_model,
-                        event.started_at)  # fmt: skip
-        micros[rid] = micros.get(rid, 0) + to_micros(history.cost(event) or Decimal(0))
-    return micros
+        cost, currency = history.priced(event) or (Decimal(0), NO_CURRENCY)
+        key = (event.tenant_id, event.adapter_id or BASE_ADAPTER_KEY, event.base_model,
+               hour_of(event.started_at), currency)  # fmt: skip
+        sums.setdefault(key, _Sums()).add(
+            _Sums(1, event.prompt_tokens, event.cached_tokens, event.completion_tokens, event.gpu_ms,
+                  to_micros(cost))
+        )  # fmt: skip
+    return sums
 
 
 def hour_expression(session: Session) -> ColumnElement[Any]:

@@ -8,7 +8,9 @@ and to a period [start, end) when start <= started_at < end. Grouping, always wi
 view across tenants adds the tenant to every key):
 - "hour": per UTC hour (hours without requests are left out);
 - "model": per base model;
-- "adapter": per (base model, adapter), requests without an adapter as the adapter "base".
+- "adapter": per (base model, adapter), requests without an adapter as the adapter "base";
+- "batch": per Batch API batch (usage_events.batch_id), interactive requests together as batch None: the
+  batch-vs-interactive split and each batch's own usage in one grouping, with no new endpoint.
 """
 
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from billing.models import BASE_ADAPTER_KEY, UsageEvent
 from billing.pricing import adapter_names
 from billing.usage import as_hour, hour_expression
 
-GroupBy = Literal["hour", "adapter", "model"]
+GroupBy = Literal["hour", "adapter", "model", "batch"]
 GROUP_BY_VALUES: tuple[str, ...] = get_args(GroupBy)
 
 
@@ -35,6 +37,7 @@ class UsageRow:
     base_model: str | None
     adapter_id: str | None  # grouped by adapter: None for the base model itself
     adapter: str | None  # grouped by adapter: the adapter's name, or "base"
+    batch_id: str | None  # grouped by batch: the Batch API batch; None for interactive requests
     requests: int
     prompt_tokens: int  # cached tokens included, as in OpenAI's usage
     cached_tokens: int
@@ -52,12 +55,14 @@ def usage(
 ) -> list[UsageRow]:
     """One tenant's usage (tenant_id), or every tenant's (None: the admin view), in [start, end), ordered
     by tenant and then by the group (hour; base model; base model, the base model's own row first, then
-    adapter name). Raises ValueError for an unknown group_by."""
+    adapter name; interactive requests first, then batch id). Raises ValueError for an unknown group_by."""
     if group_by not in GROUP_BY_VALUES:
         raise ValueError(f"group_by must be one of {', '.join(GROUP_BY_VALUES)}, got {group_by!r}")
     keys: list[ColumnElement[Any] | InstrumentedAttribute[Any]] = [UsageEvent.tenant_id]
     if group_by == "hour":
         keys.append(hour_expression(session).label("hour"))
+    elif group_by == "batch":
+        keys.append(UsageEvent.batch_id)
     else:
         keys.append(UsageEvent.base_model)
     if group_by == "adapter":
@@ -96,9 +101,10 @@ def _usage_row(row: Row[*tuple[Any, ...]], group_by: GroupBy, names: dict[str, s
     return UsageRow(
         tenant_id=str(row.tenant_id),
         hour=as_hour(row.hour) if group_by == "hour" else None,
-        base_model=None if group_by == "hour" else str(row.base_model),
+        base_model=str(row.base_model) if group_by in ("model", "adapter") else None,
         adapter_id=adapter_id,
         adapter=adapter,
+        batch_id=None if group_by != "batch" or row.batch_id is None else str(row.batch_id),
         requests=int(row.requests),
         prompt_tokens=int(row.prompt_tokens),
         cached_tokens=int(row.cached_tokens),
@@ -115,6 +121,8 @@ def _order(row: UsageRow) -> tuple[Any, ...]:
         row.adapter_id is not None,
         row.adapter or "",
         row.adapter_id or "",
+        row.batch_id is not None,
+        row.batch_id or "",
     )
 
 

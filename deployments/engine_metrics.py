@@ -6,15 +6,13 @@ the last refresh (a Prometheus counter only ever goes up, and Ray's Counter take
 Serve replica Serve adds the deployment and replica tags; base_model names the model.
 """
 
+import collections
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from app.metrics import Counter, Gauge
 from deployments.engine.interface import EngineStats
-
-if TYPE_CHECKING:  # the engine's model stack is imported by the replica that runs it, not by this module
-    from deployments.engine.interface import AsyncEngine
 
 log = logging.getLogger(__name__)
 TAGS = ("base_model",)
@@ -53,18 +51,71 @@ ADAPTER_LOAD_RETRIES = Counter(
 )
 ABORTS = Counter("loraplex_engine_aborts", "Requests aborted (their caller left) before finishing.", TAGS)
 GENERATED_TOKENS = Counter("loraplex_engine_generated_tokens", "Output tokens sampled.", TAGS)
-PREEMPTIONS = Counter("loraplex_engine_preemptions", "Sequences preempted for KV cache space.", TAGS)
+PREEMPTIONS = Counter("loraplex_engine_preemptions", "Sequences preempted, for any reason.", TAGS)
+PREEMPTIONS_BY_REASON = Counter(
+    "loraplex_engine_preemptions_by_reason",
+    "Sequences preempted, by reason: kv (KV blocks ran out), adapter_slot (a slot taken for an adapter past "
+    "its wait bound), fair (a row taken for a tenant past the fair wait bound).",
+    (*TAGS, "reason"),
+)
+TENANT_SERVICE = Gauge(
+    "loraplex_engine_tenant_service",
+    "Weighted service served per tenant since the replica started (the fair order's counters).",
+    (*TAGS, "tenant"),
+)
 GRAMMAR_REFUSALS = Counter(
     "loraplex_engine_grammar_refusals",
     "Structured-output requests refused while compiling their grammar, by reason: schema (it cannot be "
     "enforced), timeout (its compile passed the bound, or did recently), busy (no grammar thread in time).",
     (*TAGS, "reason"),
 )
+TENANT_WAITING = Gauge(
+    "loraplex_engine_tenant_waiting", "Sequences waiting per tenant (0 once none waits).", (*TAGS, "tenant")
+)
+TENANT_OLDEST_WAIT = Gauge(
+    "loraplex_engine_tenant_oldest_wait_seconds",
+    "How long each tenant's oldest waiting sequence has waited (0 once none waits).",
+    (*TAGS, "tenant"),
+)
+ADAPTER_QUEUE = Gauge(
+    "loraplex_engine_adapter_queue",
+    "Sequences waiting per adapter version, for the engine's stats_top_adapters deepest queues only (0 once "
+    "it waits no more or is no longer among them): the adapter label stays bounded.",
+    (*TAGS, "adapter"),
+)
+ADAPTER_QUEUE_OTHER = Gauge(
+    "loraplex_engine_adapter_queue_other",
+    "Sequences waiting for adapters beyond the deepest stats_top_adapters queues (summed).",
+    TAGS,
+)
+ADAPTERS_QUEUED = Gauge("loraplex_engine_adapters_queued", "Adapter versions with sequences waiting.", TAGS)
+ADAPTER_ROTATION = Gauge(
+    "loraplex_engine_adapter_rotation_position",
+    "An adapter's place in the rotation for device slots (1: the next to get one), for the first "
+    "stats_top_adapters of it (0 once it left them).",
+    (*TAGS, "adapter"),
+)
+RESIDENT_BY_RANK = Gauge(
+    "loraplex_engine_resident_adapters_by_rank",
+    "Adapter versions in device slots, by LoRA rank (0 once none of that rank is resident).",
+    (*TAGS, "rank"),
+)
+RESIDENT_RANK = Gauge(
+    "loraplex_engine_resident_adapter_rank",
+    "The LoRA rank of each adapter version in a device slot (0 once it left).",
+    (*TAGS, "adapter"),
+)
 BUSY_SECONDS = Counter("loraplex_engine_busy_seconds", "Device time spent in engine steps.", TAGS)
 
 
+class StatsSource(Protocol):
+    """What the metrics read: an AsyncEngine, or the LLMEngine it drives."""
+
+    def stats(self) -> EngineStats: ...
+
+
 class EngineMetrics:
-    def __init__(self, engine: "AsyncEngine", *, base_model: str, interval_s: float = 5.0) -> None:
+    def __init__(self, engine: StatsSource, *, base_model: str, interval_s: float = 5.0) -> None:
         self._engine = engine
         self._tags = {"base_model": base_model}
         self._interval = interval_s
@@ -100,6 +151,31 @@ class EngineMetrics:
         ABORTS.inc(tags, stats.aborts - (last.aborts if last else 0))
         GENERATED_TOKENS.inc(tags, stats.generated_tokens - (last.generated_tokens if last else 0))
         BUSY_SECONDS.inc(tags, stats.busy_seconds - (last.busy_seconds if last else 0.0))
+        before = last.preemptions_by_reason if last else {}
+        for reason, count in stats.preemptions_by_reason.items():
+            PREEMPTIONS_BY_REASON.inc({**tags, "reason": reason}, count - before.get(reason, 0))
+        for tenant, service in stats.tenant_service.items():
+            TENANT_SERVICE.set(service, {**tags, "tenant": tenant})
+        ADAPTER_QUEUE_OTHER.set(stats.adapter_queue_other, tags)
+        ADAPTERS_QUEUED.set(stats.adapters_queued, tags)
+        per_key = (
+            (TENANT_WAITING, "tenant", stats.tenant_waiting, last.tenant_waiting if last else {}),
+            (
+                TENANT_OLDEST_WAIT,
+                "tenant",
+                stats.tenant_oldest_wait_s,
+                last.tenant_oldest_wait_s if last else {},
+            ),
+            (ADAPTER_QUEUE, "adapter", stats.adapter_queue, last.adapter_queue if last else {}),
+            (RESIDENT_RANK, "adapter", stats.resident_ranks, last.resident_ranks if last else {}),
+            (ADAPTER_ROTATION, "adapter", _positions(stats), _positions(last) if last else {}),
+            (RESIDENT_BY_RANK, "rank", _by_rank(stats), _by_rank(last) if last else {}),
+        )
+        for gauge, label, now_values, before_values in per_key:
+            for key in before_values.keys() - now_values.keys():  # gone since the last export: zero it
+                gauge.set(0, {**tags, label: key})
+            for key, value in now_values.items():
+                gauge.set(value, {**tags, label: key})
         per_adapter = (
             (ADAPTER_DISK_LOADS, stats.adapter_disk_loads, last.adapter_disk_loads if last else {}),
             (ADAPTER_LOAD_FAILURES, stats.adapter_load_failures, last.adapter_load_failures if last else {}),
@@ -122,3 +198,11 @@ class EngineMetrics:
             self.export_once()
         except Exception:  # stats read across threads may race a change: the next round catches up
             log.debug("engine metrics refresh failed", exc_info=True)
+
+
+def _positions(stats: EngineStats) -> dict[str, int]:
+    return {ref: place for place, ref in enumerate(stats.adapter_rotation, start=1)}
+
+
+def _by_rank(stats: EngineStats) -> dict[str, int]:
+    return {str(rank): count for rank, count in collections.Counter(stats.resident_ranks.values()).items()}

@@ -5,22 +5,28 @@ utilisation can be shown and set against the GPU time billed to requests; and it
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
 from billing.models import EngineReport, utcnow
-
-if TYPE_CHECKING:  # the engine's model stack is imported by the replica that runs it, not by this module
-    from deployments.engine.interface import AsyncEngine
+from deployments.engine_metrics import StatsSource
 
 log = logging.getLogger(__name__)
+# EngineStats' per-tenant and per-adapter figures a report carries (engine_reports.isolation).
+ISOLATION_FIELDS = (
+    "tenant_service",
+    "tenant_waiting",
+    "tenant_oldest_wait_s",
+    "preemptions_by_reason",
+    "adapter_queue",
+    "resident_ranks",
+)
 
 
 class EngineReporter:
     def __init__(
         self,
-        engine: "AsyncEngine",
+        engine: StatsSource,
         *,
         replica: str,
         base_model: str,
@@ -60,6 +66,12 @@ class EngineReporter:
             row.adapter_requests = stats.adapter_requests
             row.adapter_hits = stats.adapter_arrival_hits
             row.adapter_loads = dict(stats.adapter_disk_loads)
+            row.isolation = {
+                **{name: dict(getattr(stats, name)) for name in ISOLATION_FIELDS},
+                "adapter_queue_other": stats.adapter_queue_other,
+                "adapters_queued": stats.adapters_queued,
+                "adapter_rotation": list(stats.adapter_rotation),
+            }
             row.updated_at = utcnow()
 
     def _run(self) -> None:

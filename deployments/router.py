@@ -28,6 +28,11 @@ when none is cached: a rank that mixes a replica with recent traffic and freshly
 whole burst to the known one. So every choice this router makes is a rank of one replica (Serve probes it
 if it must): the policy's pick, then the least loaded by this router's view, then the wider lists as
 fallbacks for when those are full or do not answer.
+
+Serve counts a request in its queue-length cache only once it is sent, and one of its routing tasks can
+fulfil every request queued behind a busy ingress's event loop before any of them is sent: a burst would
+then see its first member's load and all stay home. So this router also counts its own picks until the
+cached length for that replica moves (`_UnsentPicks`).
 """
 
 import hashlib
@@ -84,6 +89,24 @@ class _Memory:
             self._items.popitem(last=False)
 
 
+class _UnsentPicks:
+    """Picks made since a replica's cached queue length last changed: a send, a completion or a probe
+    moves it, and from then on the cache counts what had been sent."""
+
+    def __init__(self) -> None:
+        self._by_replica: dict[ReplicaID, tuple[int, int]] = {}
+
+    def count(self, replica: ReplicaID, cached: int | None) -> int:
+        seen = self._by_replica.get(replica)
+        return seen[1] if seen is not None and seen[0] == cached else 0
+
+    def add(self, replica: ReplicaID, cached: int, live: list[RunningReplica]) -> None:
+        self._by_replica[replica] = (cached, self.count(replica, cached) + 1)
+        if len(self._by_replica) > 2 * len(live):  # forget replicas that are gone
+            keep = {r.replica_id for r in live}
+            self._by_replica = {k: v for k, v in self._by_replica.items() if k in keep}
+
+
 class AdapterAwareRouter(RequestRouter):
     def initialize_state(
         self, spill_factor: float = 1.5, max_num_seqs: int | None = None, **kwargs: Any
@@ -92,6 +115,7 @@ class AdapterAwareRouter(RequestRouter):
         self.max_num_seqs = max_num_seqs  # a replica's capacity until its routing stats say
         self._adapter_home = _Memory()  # adapter -> where this router last sent it
         self._prefix_home = _Memory()  # prompt prefix -> where its earlier turn went
+        self._unsent = _UnsentPicks()
         self.decisions = 0
         self.held_decisions = 0  # the first choice already held the adapter (per stats or memory)
 
@@ -109,8 +133,15 @@ class AdapterAwareRouter(RequestRouter):
         pick, *fallbacks = self._rank(candidate_replicas, request)
         adapter_pick = pick if request.adapter is not None else []
         if adapter_pick and pending_request is not None and self._hold(pending_request):
-            return [adapter_pick]
-        return [rank for rank in [pick, *fallbacks] if rank]
+            ranks = [adapter_pick]
+        else:
+            ranks = [rank for rank in [pick, *fallbacks] if rank]
+        # Serve takes a lone, cached replica whose queue has room without waiting (it probes the others).
+        if ranks and len(ranks[0]) == 1:
+            chosen = ranks[0][0].replica_id
+            if (cached := self.replica_queue_len_cache.get(chosen)) is not None:
+                self._unsent.add(chosen, cached, candidate_replicas)
+        return ranks
 
     def _hold(self, pending: PendingRequest) -> bool:
         """Whether this round still offers the pick alone; Serve then sleeps between rounds."""
@@ -169,8 +200,9 @@ class AdapterAwareRouter(RequestRouter):
     def _load(self, replica: RunningReplica) -> float:
         stats = _stats(replica)
         reported = float(stats.get("running", 0) + stats.get("waiting", 0))
-        queued = self.replica_queue_len_cache.get(replica.replica_id)  # fresher: counts our own sends
-        return max(reported, float(queued or 0))
+        cached = self.replica_queue_len_cache.get(replica.replica_id)  # fresher: counts our own sends
+        queued = (cached or 0) + self._unsent.count(replica.replica_id, cached)
+        return max(reported, float(queued))
 
     def _by_load(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         # Ties in random order: a burst decided before any of it reaches a replica sees every replica

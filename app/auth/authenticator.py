@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import TypeVar
 
 from sqlalchemy.orm import Session
@@ -35,6 +36,9 @@ class Principal:
     key_id: str
     limits: Limits = field(default_factory=Limits)  # the tier's, with the tenant's overrides
     budgeted: bool = False  # prepaid or with a spend limit: admission reserves money (app/budgets/guard.py)
+    weight: float = 1.0  # the tier's share of an engine replica against other tenants (fair admission)
+    max_stored_response_bytes: int | None = None  # the tier's quota of stored responses; None: no bound
+    batch_price_factor: Decimal = Decimal(1)  # a Batch API line's cost is its price times this
 
 
 MAX_CACHED = 100_000
@@ -124,15 +128,29 @@ class Authenticator:
             if found is None or not verify_key(self._secret, key, found[0].key_hash):
                 raise InvalidApiKey()
             api_key, tenant = found
-            tier = repository.get_tier(session, name=tenant.tier)
-            return Principal(
-                tenant_id=tenant.id,
-                tenant_name=tenant.name,
-                tier=tenant.tier,
-                key_id=api_key.id,
-                limits=limits_for(tier, tenant),
-                budgeted=tenant.prepaid or credit.has_spend_limits(session, tenant_id=tenant.id),
-            )
+            return _principal(session, tenant, api_key.id)
+
+    def principal_for(self, tenant_id: str, key_id: str) -> Principal | None:
+        """The principal a tenant's key would be, without its key: a batch's lines run as the key that
+        created it (None: the tenant is gone). Blocking: run it in a thread."""
+        with self._sessions() as session:
+            tenant = session.get(Tenant, tenant_id)
+            return None if tenant is None else _principal(session, tenant, key_id)
+
+
+def _principal(session: Session, tenant: Tenant, key_id: str) -> Principal:
+    tier = repository.get_tier(session, name=tenant.tier)
+    return Principal(
+        tenant_id=tenant.id,
+        tenant_name=tenant.name,
+        tier=tenant.tier,
+        key_id=key_id,
+        limits=limits_for(tier, tenant),
+        budgeted=tenant.prepaid or credit.has_spend_limits(session, tenant_id=tenant.id),
+        weight=tier.weight,
+        max_stored_response_bytes=tier.max_stored_response_bytes,
+        batch_price_factor=Decimal(tier.batch_price_factor),
+    )
 
 
 def _prefix(key: str) -> str:

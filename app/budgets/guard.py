@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from app.budgets.price_cache import PriceCache
-from app.budgets.protocol import BudgetBackend, BudgetView, Hold, Periods
+from app.budgets.protocol import SETTLED_MEMORY_MS, BudgetBackend, BudgetView, Hold, Periods
 from app.errors import BudgetUnavailable, InsufficientQuota
 from billing import credit
 from billing.micros import from_micros, to_micros
@@ -32,7 +32,10 @@ from billing.pricing import Prices
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_GPU_S = 300.0  # Settings.budget_max_gpu_seconds
-HOLD_TTL_MS = 120_000  # a hold nobody renews (every 30 s, with the rate-limit lease) or settles lapses
+HOLD_TTL_MS = 120_000  # a hold nobody renews (its request's timer, every third of this) or settles lapses
+# A settle that failed is retried this long: past the hold's life (a lapsed hold is still charged) but
+# within the backend's memory of settled ids, so an attempt that landed unseen is never charged twice.
+SETTLE_RETRY_S = SETTLED_MEMORY_MS / 1000 * 0.9
 _RETRIES: set["asyncio.Future[None]"] = set()  # background settle retries, kept from the GC
 _LIMIT_NAMES = {"credit": "prepaid credit", "day": "daily spend limit", "month": "monthly spend limit"}
 
@@ -73,10 +76,13 @@ class BudgetGuard:
         *,
         price_ttl_s: float,
         max_gpu_seconds: float = DEFAULT_MAX_GPU_S,
+        hold_ttl_ms: int | None = None,
     ) -> None:
         """`max_gpu_seconds`: the GPU time a budgeted request may use where GPU time is priced; its hold
-        includes that much, and the engine stops the request there."""
+        includes that much, and the engine stops the request there. `hold_ttl_ms` (HOLD_TTL_MS): how long
+        a hold lives unless renewed; its request's admission renews it every third of that."""
         self.backend = backend
+        self.hold_ttl_ms = HOLD_TTL_MS if hold_ttl_ms is None else hold_ttl_ms
         self.max_gpu_ms = max_gpu_seconds * 1000
         self._sessions = session_factory
         self.prices = PriceCache(session_factory, ttl_s=price_ttl_s)
@@ -92,10 +98,12 @@ class BudgetGuard:
         adapter_id: str | None,
         prompt_tokens: int,
         output_tokens: int,
+        price_factor: Decimal = Decimal(1),
     ) -> BudgetHold:
-        """Reserve the request's worst case, or raise InsufficientQuota (429) / BudgetUnavailable (503)."""
+        """Reserve the request's worst case, or raise InsufficientQuota (429) / BudgetUnavailable (503).
+        `price_factor`: the request's prices are the tier's times this (a batch line's)."""
         try:
-            prices = await self.prices.get(tenant_id, base_model, adapter_id)
+            prices = (await self.prices.get(tenant_id, base_model, adapter_id)).times(price_factor)
         except Exception:
             log.exception("reading the prices of %s failed", tenant_id)
             raise BudgetUnavailable() from None
@@ -105,10 +113,10 @@ class BudgetGuard:
         amount = to_micros(worst_case(prompt_tokens, output_tokens, prices, max_gpu_ms))
         periods = periods_at()
         try:
-            hold = await self.backend.reserve(tenant_id, request_id, amount, HOLD_TTL_MS, periods)
+            hold = await self.backend.reserve(tenant_id, request_id, amount, self.hold_ttl_ms, periods)
             if hold.reason == "not_loaded":
                 await self.load(tenant_id)
-                hold = await self.backend.reserve(tenant_id, request_id, amount, HOLD_TTL_MS, periods)
+                hold = await self.backend.reserve(tenant_id, request_id, amount, self.hold_ttl_ms, periods)
         except Exception as error:  # the backend or the database is away: fail closed
             log.warning("budget check for %s failed, refusing: %s", request_id, error)
             raise BudgetUnavailable() from None
@@ -164,13 +172,15 @@ class BudgetGuard:
             )
 
     async def settle(self, hold: BudgetHold, used: Metered | None) -> Decimal:
-        """The request's cost at its admission's prices (0 when nothing ran), spent in the backend (retried
-        in the background if it is away: settling is idempotent per request id)."""
+        """The request's cost at its admission's prices (0 when nothing ran), spent in the backend: the
+        amount its usage row records, to the micro-unit. A backend that is away gets it from a background
+        retry until it lands (settling is idempotent per request id); the response never waits on it."""
         cost = Decimal("0.000000") if used is None else cost_of(used, hold.prices)
         if hold.amount is None:
             return cost
         # The engine charges at most max_gpu_ms, so the cost is within the hold; the cap keeps the promise
-        # even against an engine that ignored the bound (one of an older version, mid-upgrade).
+        # even against an engine that ignored the bound (one of an older version, mid-upgrade), and the row
+        # says what was spent, so a reload from the rows finds the balance the backend had.
         micros = min(to_micros(cost), hold.amount)
         try:
             await self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at())
@@ -179,24 +189,37 @@ class BudgetGuard:
             retry = asyncio.ensure_future(self._settle_until_done(hold, micros))
             _RETRIES.add(retry)
             retry.add_done_callback(_RETRIES.discard)
-        return cost
+        return from_micros(micros)
 
     async def _settle_until_done(self, hold: BudgetHold, micros: int) -> None:
+        """Past the hold's life too (a lapsed hold is charged all the same): until this lands the live
+        balance counts the request as neither held nor spent."""
         wait = 0.5
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + HOLD_TTL_MS / 1000
+        deadline = loop.time() + SETTLE_RETRY_S
+        failures = 0
         while loop.time() < deadline:
-            await asyncio.sleep(wait)
+            await asyncio.sleep(min(wait, max(0.0, deadline - loop.time())))
             try:
                 await self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at())
-                return
-            except Exception:
-                wait = min(wait * 2, 5.0)
-        log.warning("gave up settling %s: its usage row carries the cost to the next load", hold.request_id)
+            except Exception as error:
+                failures += 1
+                wait = min(wait * 2, 10.0)
+                if failures % 10 == 0:
+                    log.warning("settling %s still fails (%d tries): %s", hold.request_id, failures, error)
+                continue
+            log.info("settled %s after %d failed tries", hold.request_id, failures + 1)
+            return
+        log.error(
+            "gave up settling %s after %.0f s: the live balance misses its cost until the tenant is "
+            "loaded again from its usage rows",
+            hold.request_id,
+            SETTLE_RETRY_S,
+        )
 
     async def renew(self, hold: BudgetHold) -> None:
         if hold.amount is not None:
-            await self.backend.renew(hold.tenant_id, hold.request_id, HOLD_TTL_MS)
+            await self.backend.renew(hold.tenant_id, hold.request_id, self.hold_ttl_ms)
 
     async def view(self, tenant_id: str) -> BudgetView | None:
         """The tenant's budget now (loaded first if the backend has not got it)."""

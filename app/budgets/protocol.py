@@ -89,8 +89,11 @@ class BudgetBackend(Protocol):
         ...
 
     async def credit(self, tenant: str, delta: int, version: int) -> None:
-        """A credit entry landed in the database: add it to a loaded balance, once (entries the backend's
-        snapshot already counted, `version` <= its own, are skipped)."""
+        """A credit entry landed in the database: add it to a loaded balance exactly once, in whatever
+        order notices arrive (they come from different replicas). `version` is the entry's place in the
+        tenant's ledger (billing.credit.add_credit allocates them one by one under the tenant's lock):
+        entries the snapshot already counted, `version` <= its own, are skipped, and so is one counted
+        already because it arrived before an earlier one."""
         ...
 
     async def set_limits(self, tenant: str, limits: dict[str, tuple[int, bool]]) -> None:

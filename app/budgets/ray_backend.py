@@ -24,7 +24,7 @@ BudgetActor: Any = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 
 
 class RayBudgets(BudgetBackend):
-    def __init__(self, *, namespace: str = "loraplex", timeout_s: float = 3.0) -> None:
+    def __init__(self, *, namespace: str = "loraplex", timeout_s: float = 10.0) -> None:
         self._actor: Any = BudgetActor.options(
             name=ACTOR_NAME, namespace=namespace, get_if_exists=True, lifetime="detached"
         ).remote()

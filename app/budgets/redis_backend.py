@@ -10,10 +10,12 @@ Each operation is one script, so it is atomic across replicas; amounts are integ
     holds      ZSET  request id -> expiry (ms)
     holds:n    HASH  request id -> amount held
     settled    ZSET  request id -> forget after (ms)
+    credits    SET   credit versions counted above meta's `version` (they arrived before an earlier one)
 
 A tenant whose meta is missing (never loaded, or lost with a Redis restart) answers `not_loaded`: the
-ingress loads it from the database before admitting anything, so an outage fails closed. Meta never
-expires on its own; the holds and settled ids expire with the tenant's last activity plus their TTLs.
+ingress loads it from the database before admitting anything, so an outage fails closed. Meta and
+credits never expire on their own (a credit forgotten would be counted twice); the holds and settled ids
+expire with the tenant's last activity plus their TTLs.
 """
 
 from functools import cache
@@ -29,7 +31,7 @@ from app.budgets.protocol import SETTLED_MEMORY_MS, BudgetBackend, BudgetReason,
 from app.limits import LimiterUnavailable
 from billing.credit import BudgetSnapshot
 
-_SUFFIXES = ("meta", "holds", "holds:n", "settled")
+_SUFFIXES = ("meta", "holds", "holds:n", "settled", "credits")
 _SCRIPTS = ("reserve", "settle", "load", "renew", "credit", "set_limits", "peek")
 
 
@@ -65,7 +67,7 @@ def _view(fields: list[Any]) -> BudgetView:
 
 
 class RedisBudgets(BudgetBackend):
-    def __init__(self, url: str, *, timeout_s: float = 3.0, key_prefix: str = "loraplex:budget") -> None:
+    def __init__(self, url: str, *, timeout_s: float = 10.0, key_prefix: str = "loraplex:budget") -> None:
         if "{" in key_prefix or "}" in key_prefix:
             raise ValueError("key_prefix must not contain braces: the tenant is the keys' hash tag")
         self._prefix = key_prefix

@@ -4,8 +4,9 @@ to the same behaviour.
 
 Per tenant: the balance (None: not prepaid), the spend of the current day and month (a reservation or
 settlement that names a newer period starts that period at zero), the hard and soft limits, the holds in
-flight (id -> amount, expiry) with their total, and the ids settled lately (so a retried settle charges
-once).
+flight (id -> amount, expiry) with their total, the ids settled lately (so a retried settle charges
+once), and the credit entries counted: every version up to `version`, and those above it that arrived
+before an earlier one (notices from different replicas race), so each entry lands exactly once in any order.
 """
 
 import time
@@ -27,6 +28,7 @@ class _Tenant:
     holds: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (amount, expiry ms)
     reserved: int = 0
     settled: dict[str, int] = field(default_factory=dict)  # id -> forget after (ms)
+    credits: set[int] = field(default_factory=set)  # entries counted past `version` (arrived early)
 
 
 class BudgetState:
@@ -106,13 +108,16 @@ class BudgetState:
 
     def credit(self, tenant: str, delta: int, version: int) -> None:
         t = self._tenants.get(tenant)
-        if t is None or version <= t.version:
+        if t is None or version <= t.version or version in t.credits:
             return
         if t.balance is None:  # it just became prepaid: its balance is the database's to say
             del self._tenants[tenant]
             return
         t.balance += delta
-        t.version = version
+        t.credits.add(version)
+        while t.version + 1 in t.credits:  # every entry up to here is counted now
+            t.version += 1
+            t.credits.remove(t.version)
 
     def set_limits(self, tenant: str, limits: dict[str, tuple[int, bool]]) -> None:
         t = self._tenants.get(tenant)

@@ -5,7 +5,8 @@ CLI can manage a remote deployment; `db` migrates the billing database directly 
 exports usage from it; `up`, `status` and `ready` run the platform locally and follow it.
 
 Each command group is one `typer.Typer()` in its own module of this package (tenants, keys, tiers,
-adapters, usage, credit/budgets, billing, routing, db, kernels; `up`/`status` in run, `ready` in ready);
+adapters, batches, usage, credit/budgets, billing, routing, db, kernels; `up`/`status` in run, `ready` in
+ready);
 `build_app()` registers them on the root. A group takes what it shares with others from the helper modules
 only, never from another group: app.cli.common (global options, the admin client, emit and fail),
 app.cli.output (tables, records, timestamps), app.cli.billing_database (the billing database's URL and
@@ -22,6 +23,7 @@ import typer
 
 from app.cli import ready, run
 from app.cli.adapters import adapters_app
+from app.cli.batches import batches_app
 from app.cli.billing import billing_app
 from app.cli.common import DEFAULT_URL, CLIOptions
 from app.cli.credit import budgets_app, credit_app
@@ -38,6 +40,7 @@ from app.dependency_noise import quiet_dependencies
 def _groups() -> list[tuple[str, typer.Typer]]:
     return [
         ("tenants", tenants_app),
+        ("batches", batches_app),
         ("keys", keys_app),
         ("tiers", tiers_app),
         ("adapters", adapters_app),

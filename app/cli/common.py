@@ -20,6 +20,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from app.surfaces import CLI_USER_AGENT
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_API_ERROR = 1
 EXIT_USAGE = 2
@@ -76,9 +78,8 @@ class AdminClient:
     def __init__(self, url: str, admin_key: str, *, timeout: float = 30.0) -> None:
         self.url = url
         try:
-            self._http = httpx.Client(
-                base_url=url, headers={"authorization": f"Bearer {admin_key}"}, timeout=timeout
-            )
+            headers = {"authorization": f"Bearer {admin_key}", "user-agent": CLI_USER_AGENT}  # the surface
+            self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
         except httpx.InvalidURL as exc:
             fail(f"invalid platform URL {url!r}: {exc}", code=EXIT_USAGE, hint=URL_HINT)
 

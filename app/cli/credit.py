@@ -20,7 +20,11 @@ def credit_add(
     tenant_id: TenantArg,
     amount: Annotated[str, typer.Argument(metavar="AMOUNT", help="In the tier's currency, e.g. 25.00.")],
     adjustment: Annotated[
-        bool, typer.Option("--adjustment", help="A correction (may be negative) rather than a top-up.")
+        bool,
+        typer.Option(
+            "--adjustment",
+            help="A correction rather than a top-up (negative only once the tenant is prepaid).",
+        ),
     ] = False,
     reason: Annotated[str, typer.Option(help="Why, for the ledger.")] = "",
     actor: Annotated[str, typer.Option(help="Who, for the ledger.")] = "cli",
@@ -34,7 +38,8 @@ def credit_add(
     }
     entry = admin_client(ctx).post(f"/admin/tenants/{segment(tenant_id)}/credit", body)
     emit(ctx, entry, lambda e: stdout().print(record("Credit entry", [(k, e[k]) for k in
-         ("id", "amount", "currency", "kind", "reason", "actor", "created_at")])))  # fmt: skip
+         ("id", "amount", "currency", "kind", "reason", "actor", "surface", "request_id",
+          "created_at")])))  # fmt: skip
 
 
 @credit_app.command("show")
@@ -71,7 +76,8 @@ def _print_budget(budget: JSON) -> None:
     console.print(record("Budget", rows))
     entries = budget.get("entries")
     if entries:
-        listing = table("CREATED", "AMOUNT", "KIND", "ACTOR", "REASON", min_width=8)
+        listing = table("CREATED", "AMOUNT", "KIND", "ACTOR", "VIA", "REASON", min_width=8)
         for e in entries:
-            listing.add_row(e["created_at"], e["amount"], e["kind"], e["actor"], e["reason"] or "-")
+            via = e.get("surface") or "-"  # recorded by the server; the actor is what the caller said
+            listing.add_row(e["created_at"], e["amount"], e["kind"], e["actor"], via, e["reason"] or "-")
         console.print(listing)

@@ -47,6 +47,7 @@ PRICES = {
     "--price-gpu-second": "price_gpu_per_second",
 }
 PRICE_DECIMALS = 6  # as billing.repository.PRICE_DECIMALS
+FACTOR_DECIMALS = 4  # as billing.repository.check_price_factor
 
 PriceInputOption = Annotated[
     str | None,
@@ -76,6 +77,25 @@ PriceGpuSecondOption = Annotated[
     str | None,
     typer.Option("--price-gpu-second", metavar="PRICE", help="Price per GPU-second.", show_default=False),
 ]
+StoredBytesOption = Annotated[
+    int | None,
+    typer.Option(
+        "--max-stored-response-bytes",
+        min=1,
+        metavar="BYTES",
+        help="Each tenant's quota of stored responses (store: true), in bytes; not given: no bound.",
+        show_default=False,
+    ),
+]
+BatchPriceFactorOption = Annotated[
+    str | None,
+    typer.Option(
+        "--batch-price-factor",
+        metavar="FACTOR",
+        help="A Batch API line costs its price times this, 0 to 1 (0.5, the default: half price).",
+        show_default=False,
+    ),
+]
 CurrencyOption = Annotated[
     str | None,
     typer.Option("--currency", metavar="CODE", help="ISO 4217 currency code, e.g. usd.", show_default=False),
@@ -88,9 +108,10 @@ def price_values(
     price_output: str | None,
     price_gpu_second: str | None,
     currency: str | None,
+    batch_price_factor: str | None = None,
 ) -> JSON:
-    """The price options that were given, by API field name, as decimal strings; exits 2 on a value that
-    is not a non-negative decimal with at most 6 decimals."""
+    """The price options that were given, by API field name, as decimal strings; exits 2 on a price that
+    is not a non-negative decimal with at most 6 decimals, or a batch price factor outside 0..1."""
     given = zip(
         PRICES.items(), (price_input, price_cached_input, price_output, price_gpu_second), strict=True
     )
@@ -100,24 +121,38 @@ def price_values(
             body[field] = _price(flag, value)
     if currency is not None:
         body["currency"] = currency
+    if batch_price_factor is not None:
+        body["batch_price_factor"] = _factor(batch_price_factor)
     return body
 
 
 def _price(flag: str, value: str) -> str:
+    hint = f"give a non-negative decimal with at most {PRICE_DECIMALS} decimals, e.g. 0.15"
+    return _decimal(flag, value, places=PRICE_DECIMALS, most=None, noun="a price", hint=hint)
+
+
+def _factor(value: str) -> str:
+    hint = f"give a decimal from 0 to 1 with at most {FACTOR_DECIMALS} decimals, e.g. 0.5"
+    flag = "--batch-price-factor"
+    return _decimal(flag, value, places=FACTOR_DECIMALS, most=Decimal(1), noun="a price factor", hint=hint)
+
+
+def _decimal(flag: str, value: str, *, places: int, most: Decimal | None, noun: str, hint: str) -> str:
+    """value as a decimal string; exits 2 unless it is finite, from 0 up to `most`, with at most `places`
+    decimals: a typo never reaches the API."""
     try:
-        price = Decimal(value.strip())
+        number = Decimal(value.strip())
         valid = (
-            price.is_finite() and price >= 0 and price == price.quantize(Decimal(1).scaleb(-PRICE_DECIMALS))
+            number.is_finite()
+            and number >= 0
+            and (most is None or number <= most)
+            and number == number.quantize(Decimal(1).scaleb(-places))
         )
     except InvalidOperation:  # not a number, or too large to quantize
         valid = False
     if not valid:
-        fail(
-            f"{flag}: {value!r} is not a price",
-            code=EXIT_USAGE,
-            hint=f"give a non-negative decimal with at most {PRICE_DECIMALS} decimals, e.g. 0.15",
-        )
-    return format(price, "f")
+        fail(f"{flag}: {value!r} is not {noun}", code=EXIT_USAGE, hint=hint)
+    return format(number, "f")
 
 
 def _path(name: str) -> str:
@@ -164,6 +199,17 @@ def tiers_create(
     price_output: PriceOutputOption = None,
     price_gpu_second: PriceGpuSecondOption = None,
     currency: CurrencyOption = None,
+    batch_price_factor: BatchPriceFactorOption = None,
+    weight: Annotated[
+        float,
+        typer.Option(
+            "--weight",
+            min=0.001,
+            max=1000,
+            help="The tier's share of an engine replica while requests wait (2: served twice a 1's).",
+        ),
+    ] = 1.0,
+    max_stored_response_bytes: StoredBytesOption = None,
 ) -> None:
     """Create a tier; a limit not given is unlimited, a price not given is 0 (currency: usd)."""
     body: JSON = {
@@ -172,7 +218,11 @@ def tiers_create(
         **limit_values(rpm, tpm, max_concurrent, max_tokens_cap),
         "on_limit": on_limit.value,
         "max_queue_ms": max_queue_ms,
-        **price_values(price_input, price_cached_input, price_output, price_gpu_second, currency),
+        **price_values(
+            price_input, price_cached_input, price_output, price_gpu_second, currency, batch_price_factor
+        ),
+        "weight": weight,
+        "max_stored_response_bytes": max_stored_response_bytes,
     }
     tier = admin_client(ctx).post("/admin/tiers", body)
     emit(ctx, tier, lambda t: stdout().print(_tier_record(t, "Created tier")))
@@ -220,24 +270,58 @@ def tiers_update(
     price_output: PriceOutputOption = None,
     price_gpu_second: PriceGpuSecondOption = None,
     currency: CurrencyOption = None,
+    batch_price_factor: BatchPriceFactorOption = None,
+    weight: Annotated[
+        float | None,
+        typer.Option(
+            "--weight",
+            min=0.001,
+            max=1000,
+            help="The tier's share of an engine replica while requests wait.",
+            show_default=False,
+        ),
+    ] = None,
+    max_stored_response_bytes: StoredBytesOption = None,
+    unlimited_stored_responses: Annotated[
+        bool,
+        typer.Option(
+            "--unlimited-stored-responses",
+            help="No quota of stored responses (max_stored_response_bytes null).",
+            show_default=False,
+        ),
+    ] = False,
 ) -> None:
-    """Change a tier's limits and prices (only those given); its tenants get new limits within seconds.
-    New prices apply to every bill computed afterwards, past periods included."""
+    """Change a tier's limits, weight and prices (only those given); its tenants get new limits within
+    seconds. New prices apply from now on: what was settled, and billed, keeps its cost."""
     body = limits_body(
         limit_values(rpm, tpm, max_concurrent, max_tokens_cap),
         limit_names(unlimited, option="--unlimited"),
         option="--unlimited",
     )
-    others = (("on_limit", on_limit.value if on_limit else None), ("max_queue_ms", max_queue_ms))
+    others = (
+        ("on_limit", on_limit.value if on_limit else None),
+        ("max_queue_ms", max_queue_ms),
+        ("weight", weight),
+    )
     body |= {key: value for key, value in (*others, ("description", description)) if value is not None}
-    body |= price_values(price_input, price_cached_input, price_output, price_gpu_second, currency)
+    body |= price_values(
+        price_input, price_cached_input, price_output, price_gpu_second, currency, batch_price_factor
+    )
+    if max_stored_response_bytes is not None and unlimited_stored_responses:
+        fail(
+            "--max-stored-response-bytes and --unlimited-stored-responses contradict each other",
+            code=EXIT_USAGE,
+        )
+    if max_stored_response_bytes is not None or unlimited_stored_responses:
+        body["max_stored_response_bytes"] = max_stored_response_bytes
     if not body:
         fail(
             "nothing to update",
             code=EXIT_USAGE,
             hint="give a limit (--rpm, --tpm, --max-concurrent, --max-tokens-cap), --unlimited, "
-            "--on-limit, --max-queue-ms, --description, a price (--price-input, --price-cached-input, "
-            "--price-output, --price-gpu-second) or --currency",
+            "--on-limit, --max-queue-ms, --weight, --max-stored-response-bytes, "
+            "--unlimited-stored-responses, --description, a price (--price-input, "
+            "--price-cached-input, --price-output, --price-gpu-second), --batch-price-factor or --currency",
         )
     tier = admin_client(ctx).patch(_path(name), body)
     emit(ctx, tier, lambda t: stdout().print(_tier_record(t, "Updated tier")))
@@ -254,6 +338,8 @@ def _tier_record(tier: JSON, title: str) -> Table:
             ("description", tier.get("description")),
             *((name, fmt_limit(tier.get(name))) for name in LIMITS),
             ("on_limit", fmt_on_limit(tier)),
+            ("weight", f"{tier.get('weight', 1.0):g}"),
+            ("max_stored_response_bytes", fmt_limit(tier.get("max_stored_response_bytes"))),
             *_price_rows(tier),
             ("created", fmt_time(tier.get("created_at"))),
         ],
@@ -267,6 +353,7 @@ def _price_rows(tier: JSON) -> list[tuple[str, object]]:
         ("cached input", f"{tier.get('price_cached_input_per_mtok')} {currency} / 1M tokens"),
         ("output", f"{tier.get('price_output_per_mtok')} {currency} / 1M tokens"),
         ("gpu", f"{tier.get('price_gpu_per_second')} {currency} / GPU-second"),
+        ("batch price factor", f"{tier.get('batch_price_factor')} (Batch API lines: price times this)"),
     ]
 
 

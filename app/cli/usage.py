@@ -1,7 +1,7 @@
 """`loraplex usage`: tenants' live usage and their bills, through the admin API (app.cli.common).
 
 `usage show` reads GET /admin/usage (live, from the usage events); `usage bill` reads
-GET /admin/tenants/{id}/bill (hourly rollups priced at the tier's current prices). Times are ISO 8601
+GET /admin/tenants/{id}/bill (hourly rollups at the costs settled for them). Times are ISO 8601
 (`2025-11-01`, `2025-11-01T10:00:00Z`); without an offset they are UTC.
 """
 
@@ -18,7 +18,7 @@ from rich.text import Text
 from app.cli.common import EXIT_USAGE, JSON, admin_client, emit, fail, segment, stdout
 
 usage_app = typer.Typer(
-    help="Tenants' usage (live, per hour, adapter or model) and bills (from hourly rollups).",
+    help="Tenants' usage (live, per hour, adapter, model or batch) and bills (from hourly rollups).",
     no_args_is_help=True,
 )
 
@@ -27,6 +27,7 @@ class GroupBy(StrEnum):
     HOUR = "hour"
     ADAPTER = "adapter"
     MODEL = "model"
+    BATCH = "batch"
 
 
 StartOption = Annotated[
@@ -70,7 +71,8 @@ def usage_show(
         typer.Option("--tenant", metavar="ID", help="One tenant; default: every tenant.", show_default=False),
     ] = None,
     group_by: Annotated[
-        GroupBy, typer.Option("--group-by", help="Rows per UTC hour, per adapter or per base model.")
+        GroupBy,
+        typer.Option("--group-by", help="Rows per UTC hour, per adapter, per base model, or per batch."),
     ] = GroupBy.HOUR,
 ) -> None:
     """Show usage in [start, end), live from the requests recorded (the current hour included); at most
@@ -89,8 +91,8 @@ def usage_bill(
     start: StartOption,
     end: EndOption,
 ) -> None:
-    """Show a tenant's bill for the rolled-up hours in [start, end) (whole UTC hours), at its tier's
-    current prices."""
+    """Show a tenant's bill for the rolled-up hours in [start, end) (whole UTC hours), at the costs
+    settled for them (a later price change does not reprice it)."""
     query = urlencode({"start": iso_time("--start", start), "end": iso_time("--end", end)})
     bill = admin_client(ctx).get(f"/admin/tenants/{segment(tenant_id)}/bill?{query}")
     emit(ctx, bill, _print_bill)
@@ -108,7 +110,9 @@ def _print_usage(listing: JSON, *, by_tenant: bool) -> None:
         stdout().print(f"No usage from {period}.", markup=False)
         return
     group_by = listing.get("group_by")
-    keys = {"hour": ["HOUR"], "model": ["MODEL"], "adapter": ["MODEL", "ADAPTER"]}.get(str(group_by), [])
+    keys = {"hour": ["HOUR"], "model": ["MODEL"], "adapter": ["MODEL", "ADAPTER"], "batch": ["BATCH"]}.get(
+        str(group_by), []
+    )
     table = _table(
         [*(["TENANT"] if by_tenant else []), *keys], ["REQUESTS", "PROMPT", "CACHED", "COMPLETION", "GPU S"]
     )
@@ -117,6 +121,7 @@ def _print_usage(listing: JSON, *, by_tenant: bool) -> None:
             "hour": [_when(row.get("hour"))],
             "model": [row.get("base_model")],
             "adapter": [row.get("base_model"), row.get("adapter")],
+            "batch": [row.get("batch_id") or "interactive"],
         }
         group = groups.get(str(group_by), [])
         tenant = [row.get("tenant_id")] if by_tenant else []
@@ -142,7 +147,7 @@ def _print_bill(bill: JSON) -> None:
         markup=False,
     )
     console.print(
-        f"Prices per 1M tokens: input {prices.get('input_per_mtok')}, cached input "
+        f"Current prices per 1M tokens: input {prices.get('input_per_mtok')}, cached input "
         f"{prices.get('cached_input_per_mtok')}, output {prices.get('output_per_mtok')}; "
         f"per GPU-second: {prices.get('gpu_per_second')}",
         markup=False,
@@ -169,7 +174,8 @@ def _print_bill(bill: JSON) -> None:
         console.print(table)
     console.print(
         f"Input {totals.get('input_cost')}, cached input {totals.get('cached_input_cost')}, "
-        f"output {totals.get('output_cost')}, GPU {totals.get('gpu_cost')}",
+        f"output {totals.get('output_cost')}, GPU {totals.get('gpu_cost')}, "
+        f"adjustment {totals.get('adjustment')} (as settled; later prices do not change it)",
         markup=False,
     )
     console.print(f"Total: {totals.get('total')} {currency}", markup=False)

@@ -10,12 +10,18 @@ Money (issue 29) is admitted here too, right after the rate limits: a BudgetAsk 
 request's worst-case cost (app/budgets/guard.py) and release settles it to the metered cost. A request
 refused for money gives its rate-limit lease straight back. Every route that runs an engine request
 (chat, completions, and /v1/responses) goes through Admission.acquire with its BudgetAsk.
+
+The lease and the hold live as long as their request (issue 35): from acquire to release a timer renews
+both every third of the shorter of their TTLs, whether or not any output arrives (a long engine queue or
+prefill sends none), so neither lapses while the request can still be charged.
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from decimal import Decimal
 
 import anyio
@@ -23,12 +29,14 @@ import anyio
 from app.budgets.guard import BudgetGuard, BudgetHold
 from app.errors import RateLimited, RequestTooLarge, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
+from app.limits.protocol import DELIVERY_GRACE_MS
+from app.limits.refusal_cache import RefusalCache
 from app.metrics import Counter
 from billing.price_book import Metered
 
 log = logging.getLogger(__name__)
 _RETRIES: set["asyncio.Future[None]"] = set()  # background release retries, kept from the GC
-RENEW_EVERY_S = 30.0  # leases last minutes; a long stream renews well before they lapse
+RENEWALS_PER_TTL = 3  # the timer renews three times per TTL: two renewals may fail before anything lapses
 
 # reason: requests, tokens, concurrency or queued (a limit was reached), queue_full (too many waiters
 # already), too_large (more than a minute's tokens), too_many_sequences (more than max_concurrent),
@@ -48,6 +56,8 @@ class BudgetAsk:
     adapter_id: str | None
     prompt_tokens: int
     output_tokens: int  # max_tokens x choices x prompts
+    # its prices are the tier's times this (a batch line's: the tier's batch price factor)
+    price_factor: Decimal = Decimal(1)
 
 
 @dataclass
@@ -57,10 +67,10 @@ class Admission:
     request_id: str
     limits: Limits
     decision: Decision | None
-    _renewed_at: float = field(default_factory=time.monotonic)
     _released: bool = False
     guard: BudgetGuard | None = None
     hold: BudgetHold | None = None  # the request's money, settled by release
+    _renewer: "asyncio.Task[None] | None" = None  # renews the lease and the hold until release
 
     @classmethod
     async def acquire(
@@ -75,25 +85,30 @@ class Admission:
         fail_open: bool,
         sequences: int = 1,
         budget: BudgetAsk | None = None,
+        refusals: RefusalCache | None = None,
     ) -> "Admission":
-        """The rate limits, then (with `budget`) the money; refused for money, the lease goes back."""
+        """The rate limits, then (with `budget`) the money; refused for money, the lease goes back.
+        `refusals` keeps a requests-per-minute refusal for a moment (app/limits/refusal_cache.py)."""
         admission = await cls._acquire_rate(
             backend, tenant=tenant, tier=tier, request_id=request_id, limits=limits, reserve=reserve,
-            fail_open=fail_open, sequences=sequences,
+            fail_open=fail_open, sequences=sequences, refusals=refusals,
         )  # fmt: skip
         if budget is None:
+            admission._start_renewing()
             return admission
         try:
             admission.hold = await budget.guard.hold(
                 tenant_id=tenant, budgeted=budget.budgeted, request_id=request_id,
                 base_model=budget.base_model, adapter_id=budget.adapter_id,
                 prompt_tokens=budget.prompt_tokens, output_tokens=budget.output_tokens,
+                price_factor=budget.price_factor,
             )  # fmt: skip
         except BaseException as error:
             _count_rejection(tenant, "budget" if getattr(error, "status", 0) == 429 else "budget_unavailable")
             await admission.release(0)
             raise
         admission.guard = budget.guard
+        admission._start_renewing()
         return admission
 
     @classmethod
@@ -108,17 +123,25 @@ class Admission:
         reserve: int,
         fail_open: bool,
         sequences: int = 1,
+        refusals: RefusalCache | None = None,
     ) -> "Admission":
         """`sequences`: what the concurrency lease weighs (n x prompts, the sequences the engine runs)."""
         if limits.unlimited:
             return cls(None, tenant, request_id, limits, None)
-        wait_ms = limits.max_queue_ms if limits.on_limit == "queue" else 0
+        wait_ms = tier_wait_ms = limits.max_queue_ms if limits.on_limit == "queue" else 0
         start = time.monotonic()
         finished = False  # the backend answered: it has left the queue itself
         try:
             decision = await backend.admit(
                 tenant, request_id, limits, reserve, wait_ms=wait_ms, sequences=sequences
             )
+            if decision.reason == "delivering" and wait_ms == 0:
+                # Kept out only by streams the proxy is still delivering: the client may well have read
+                # them already and sent this one at once. Wait for their acknowledgement, briefly.
+                wait_ms = DELIVERY_GRACE_MS
+                decision = await backend.admit(
+                    tenant, request_id, limits, reserve, wait_ms=wait_ms, sequences=sequences
+                )
             finished = True
         except LimiterUnavailable as error:
             # A call that timed out may still have admitted us over there: give any lease back.
@@ -135,24 +158,39 @@ class Admission:
                     await _quietly(backend.leave_queue(tenant, request_id))
         if decision.admitted:
             return cls(backend, tenant, request_id, limits, decision)
+        if decision.reason == "delivering":  # still there after the grace: a client not reading them
+            decision = dataclasses.replace(decision, reason="concurrency")
         _count_rejection(tenant, decision.reason or "requests")
+        if refusals is not None:
+            refusals.remember(tenant, decision, limits)
         if decision.reason == "too_large":
             raise RequestTooLarge(reserve, limits, tier)
         if decision.reason == "too_many_sequences":
             raise TooManySequences(sequences, concurrency_limit(limits, tier))
         waited = int((time.monotonic() - start) * 1000) if decision.reason != "queue_full" else 0
-        raise RateLimited(decision, limits, tier, queued_ms=waited if wait_ms > 0 else 0)
+        raise RateLimited(decision, limits, tier, queued_ms=waited if tier_wait_ms > 0 else 0)
 
     @staticmethod
-    async def count_refused(backend: LimiterBackend, *, tenant: str, request_id: str, limits: Limits) -> None:
+    async def count_refused(
+        backend: LimiterBackend,
+        *,
+        tenant: str,
+        request_id: str,
+        limits: Limits,
+        refusals: RefusalCache | None = None,
+    ) -> None:
         """A request refused for its own input (a 400) still costs the tenant one request per minute, so a
-        flood of bad requests is throttled like any other. Best effort: it never changes the answer."""
+        flood of bad requests is throttled like any other: once over its RPM, `refusals` keeps that, and
+        the tenant's next requests are refused before their bodies are parsed. Best effort: it never
+        changes this request's answer."""
         if limits.rpm is None:
             return
         try:
             decision = await backend.admit(tenant, request_id, limits, 0)
             if decision.admitted:
                 await backend.release(tenant, request_id, 0)
+            elif refusals is not None:
+                refusals.remember(tenant, decision, limits)
         except Exception as error:  # the limiter is away: the refusal stands all the same
             log.debug("counting refused request %s failed: %s", request_id, error)
 
@@ -165,11 +203,30 @@ class Admission:
         rate = {} if self.decision is None else self.decision.headers()
         return rate if self.hold is None else {**rate, **self.hold.headers()}
 
-    async def renew_if_due(self) -> None:
-        if time.monotonic() - self._renewed_at <= RENEW_EVERY_S:
-            return
-        self._renewed_at = time.monotonic()
-        if self.backend is not None:
+    def renew_every_s(self) -> float | None:
+        """How often the timer renews: a third of the shorter TTL of what it holds (None: holds nothing)."""
+        ttls = []
+        if self.backend is not None and not self._released:
+            ttls.append(self.limits.lease_ttl_ms)
+        if self.guard is not None and self.hold is not None and self.hold.amount is not None:
+            ttls.append(self.guard.hold_ttl_ms)
+        return None if not ttls else min(ttls) / 1000 / RENEWALS_PER_TTL
+
+    def _start_renewing(self) -> None:
+        every = self.renew_every_s()
+        if every is not None and self._renewer is None:
+            # The timer holds the admission weakly: one its request dropped without releasing is not kept
+            # alive by it (its lease and hold then lapse, as they would have anyway).
+            self._renewer = asyncio.ensure_future(_renew_while_held(weakref.ref(self), every))
+
+    def _stop_renewing(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+
+    async def renew(self) -> None:
+        """Push the lease's and the hold's expiry back; a failure is logged, the next tick tries again."""
+        if self.backend is not None and not self._released:
             await _quietly(self.backend.renew(self.tenant, self.request_id, self.limits))
         if self.guard is not None and self.hold is not None:
             await _quietly(self.guard.renew(self.hold))
@@ -187,6 +244,7 @@ class Admission:
     async def release(self, used_tokens: int) -> None:
         """Free the concurrency lease and reconcile the tokens (and settle a hold not settled yet, at
         nothing). Shielded: it runs on cancellation too."""
+        self._stop_renewing()
         if self.hold is not None:
             await self.settle(None)
         if self.backend is None or self._released:
@@ -201,6 +259,21 @@ class Admission:
                 _RETRIES.add(retry)
                 retry.add_done_callback(_RETRIES.discard)
 
+    async def delivering(self) -> None:
+        """The request's output is all written: its lease waits only for the proxy to deliver it, and a
+        request of the tenant's that it alone keeps out waits for it briefly instead of being refused.
+        Best effort: without the mark, that request is refused as before."""
+        if self.backend is None or self._released:
+            return
+        with anyio.CancelScope(shield=True):
+            await _quietly(self.backend.deliver(self.tenant, self.request_id))
+
+    async def abandon(self) -> None:
+        """Release the lease but leave the hold unsettled, to lapse or be replaced by the next hold under
+        the same request id (a batch line whose runner stopped runs again and is charged then, once)."""
+        self.hold = None
+        await self.release(0)
+
     async def _release_until_done(self, used_tokens: int) -> None:
         """Release is idempotent per request id, so retrying is safe; past the lease's life it has expired."""
         assert self.backend is not None
@@ -214,6 +287,31 @@ class Admission:
             except Exception:
                 wait = min(wait * 2, 5.0)
         log.warning("gave up releasing %s: its lease has expired by now", self.request_id)
+
+
+async def _renew_while_held(ref: "weakref.ref[Admission]", every: float) -> None:
+    """The admission's renewal timer, until its release cancels it (or nothing is left to renew)."""
+    while True:
+        await asyncio.sleep(every)
+        admission = ref()
+        if admission is None or admission.renew_every_s() is None:
+            return
+        await admission.renew()
+        del admission  # not kept alive across the sleep
+
+
+def refused_before_parsing(
+    refusals: RefusalCache, *, tenant: str, tier: str, limits: Limits
+) -> RateLimited | None:
+    """The 429 to answer at once if `tenant` was refused for its requests per minute a moment ago (the same
+    error and hints as the limiter's, aged), or None: the request goes on to be parsed and admitted."""
+    if limits.unlimited or limits.rpm is None:
+        return None
+    decision = refusals.refusal(tenant, limits)
+    if decision is None:
+        return None
+    _count_rejection(tenant, "requests")
+    return RateLimited(decision, limits, tier)
 
 
 def concurrency_limit(limits: Limits, tier: str) -> str:

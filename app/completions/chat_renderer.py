@@ -1,11 +1,13 @@
-"""ChatRenderer: a chat request's outputs as a ChatCompletion or its chunk stream; with tools, each
-choice's text is parsed for calls (whole at the end, or as the stream releases them)."""
+"""ChatRenderer: a chat request's outputs as a ChatCompletion or its chunk stream. A thinking model's text
+is split into reasoning (`reasoning_content`) and content first; with tools, the content is parsed for
+calls (whole at the end, or as the stream releases them)."""
 
 from typing import Any
 
 from app.completions.logprobs import chat_logprobs
-from app.completions.rendering import Choice, ChoiceRenderer, finish_reason, sse, usage_block
-from app.completions.tool_calls import BEGIN, ParsedCall, ToolCallStream, parse
+from app.completions.reasoning import ReasoningStream
+from app.completions.rendering import Choice, ChoiceRenderer, finish_reason, sse
+from app.completions.tool_calls import ParsedCall, ToolCallStream, parse
 from app.schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -25,13 +27,16 @@ from deployments.engine.interface import RequestOutput, TokenLogprob
 
 class ChatRenderer(ChoiceRenderer):
     def _new_choice(self, index: int) -> Choice:
-        tools = ToolCallStream(self.shape.tool_names) if self.shape.tool_names else None
-        return Choice(index, tools=tools)
+        shape = self.shape
+        tools = ToolCallStream(shape.tool_names, shape.tool_format) if shape.tool_names else None
+        reasoning = ReasoningStream(shape.opened) if shape.reasoning else None
+        return Choice(index, tools=tools, reasoning=reasoning)
 
     def _openings(self, texts: list[str]) -> int:
         if not self.shape.tool_names:
             return 0
-        return sum(text.count(BEGIN) for text in texts)
+        begin = self.shape.tool_format.begin
+        return sum(text.count(begin) for text in texts)
 
     def _held_chars(self, choice: Choice | None, out: RequestOutput) -> int:
         """A tool call's held text comes out with the piece that closes it, or at the end."""
@@ -44,7 +49,11 @@ class ChatRenderer(ChoiceRenderer):
 
     def add(self, out: RequestOutput) -> None:
         choice = self._get(out.index)
-        self._took(choice, out.text)
+        reasoning, content = self._split(choice, out)
+        if reasoning:
+            choice.thought.append(reasoning)
+            self._chars += len(reasoning)
+        self._took(choice, content)
         if self.shape.logprobs is not None and out.logprobs:
             choice.logprobs += out.logprobs
         if out.finish_reason is not None:
@@ -52,7 +61,7 @@ class ChatRenderer(ChoiceRenderer):
 
     def body(self, last: RequestOutput) -> dict[str, Any]:
         return ChatCompletion(
-            id=self.request_id, model=self.model, choices=self.choices(), usage=usage_block(last.usage)
+            id=self.request_id, model=self.model, choices=self.choices(), usage=self._usage(last.usage)
         ).model_dump()
 
     def choices(self) -> list[ChatChoice]:
@@ -64,8 +73,13 @@ class ChatRenderer(ChoiceRenderer):
             content: str | None = text
             calls: list[ParsedCall] = []
             if self.shape.tool_names:
-                content, calls = parse(text, self.shape.tool_names)
-            message = AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls] or None)
+                content, calls = parse(text, self.shape.tool_names, self.shape.tool_format)
+            thought = None
+            if self.shape.reasoning:  # a thinking model's empty parts are absent (vLLM's null)
+                thought, content = "".join(choice.thought) or None, content or None
+            message = AssistantMessage(
+                content=content, reasoning_content=thought, tool_calls=[_tool_call(c) for c in calls] or None
+            )
             chats.append(
                 ChatChoice(
                     index=index,
@@ -110,10 +124,13 @@ class ChatRenderer(ChoiceRenderer):
         forced = out.closing_forced or None
         limited = out.gpu_limited or None
         logprobs = self._logprobs(out.logprobs) if out.logprobs else None
+        thought, text = self._split(choice, out)
         if choice.tools is None:
-            if not (out.text or logprobs is not None or ended or out.finished):
+            if not (thought or text or logprobs is not None or ended or out.finished):
                 return []
-            delta = ChatDelta(content=out.text)
+            delta = ChatDelta(
+                content=text if text or not thought else None, reasoning_content=thought or None
+            )
             return [
                 ChatChunkChoice(
                     index=out.index,
@@ -124,13 +141,14 @@ class ChatRenderer(ChoiceRenderer):
                     gpu_time_limited=limited,
                 )
             ]
-        events = choice.tools.feed(out.text) + (choice.tools.finish() if ended else [])
+        events = choice.tools.feed(text) + (choice.tools.finish() if ended else [])
         content = "".join(e for e in events if isinstance(e, str))
         deltas = []
-        if content or logprobs is not None:
-            deltas.append(
-                ChatChunkChoice(index=out.index, delta=ChatDelta(content=content), logprobs=logprobs)
+        if content or thought or logprobs is not None:
+            delta = ChatDelta(
+                content=content if content or not thought else None, reasoning_content=thought or None
             )
+            deltas.append(ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs))
         for call in (e for e in events if isinstance(e, ParsedCall)):
             k = choice.calls
             choice.calls += 1

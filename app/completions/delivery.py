@@ -28,11 +28,17 @@ async def respond(
 ) -> JSONResponse | StreamingResponse:
     first = await life.start()
     if stream:
+        life.lease_until_delivered = True
+
+        async def closed() -> None:
+            await life.close("aborted")  # a no-op when the stream ended by itself
+            await life.delivered()  # the lease, kept until the proxy acknowledged the whole stream
+
         return ClosingStreamingResponse(
             _events(life, renderer, first),
             media_type="text/event-stream",
             headers={**STREAM_HEADERS, **life.headers()},
-            on_close=lambda: life.close("aborted"),  # a no-op when the stream ended by itself
+            on_close=closed,
         )
     return await _whole(life, renderer, first)
 
@@ -42,6 +48,22 @@ async def _shaped(heavy: bool, work: Callable[..., T], *args: Any) -> T:
 
 
 async def _whole(life: RequestLifecycle, renderer: Renderer, first: RequestOutput) -> JSONResponse:
+    body, heavy = await _whole_body(life, renderer, first)
+    # A JSONResponse renders its bytes as it is made: heavy bodies render off the loop too.
+    return await _shaped(heavy, _json, body, life.headers())
+
+
+async def whole_body(life: RequestLifecycle, renderer: Renderer) -> dict[str, Any]:
+    """The request run to its end and answered as one JSON body, without HTTP (a Batch API line); a
+    refusal or a failure raises the APIError the route would have answered with."""
+    first = await life.start()
+    return (await _whole_body(life, renderer, first))[0]
+
+
+async def _whole_body(
+    life: RequestLifecycle, renderer: Renderer, first: RequestOutput
+) -> tuple[dict[str, Any], bool]:
+    """The body, and whether it is heavy to render."""
     last = first
     failed: RequestOutput | None = None
     try:
@@ -64,9 +86,7 @@ async def _whole(life: RequestLifecycle, renderer: Renderer, first: RequestOutpu
         raise await life.api_error(failed.error or RequestFailed())
     await uncancellable(life.close("completed"))
     heavy = renderer.heavy()
-    body = await renderer.keep(await _shaped(heavy, renderer.body, last))
-    # A JSONResponse renders its bytes as it is made: heavy bodies render off the loop too.
-    return await _shaped(heavy, _json, body, life.headers())
+    return await renderer.keep(await _shaped(heavy, renderer.body, last)), heavy
 
 
 def _json(body: dict[str, Any], headers: dict[str, str]) -> JSONResponse:
@@ -84,11 +104,14 @@ async def _events(life: RequestLifecycle, renderer: Renderer, first: RequestOutp
             last = out
             if out.finish_reason is FinishReason.ERROR:
                 status = "failed"
+                await life.written()
                 yield "".join(opening + renderer.failure(out.error or RequestFailed()))
                 return
             events = await _shaped(renderer.heavy(out), renderer.events, out)
             if opening:
                 events, opening = opening + events, []
+            if out.finished:  # before the client can see the end and send its next request
+                await life.written()
             if events:
                 yield "".join(events)
             out = None if out.finished else await life.next_output()
@@ -96,6 +119,7 @@ async def _events(life: RequestLifecycle, renderer: Renderer, first: RequestOutp
         yield "".join(await renderer.closing(last))
     except EngineError as error:  # e.g. the replica died mid-stream: say so in the stream, then end it
         status = "failed"
+        await life.written()
         yield "".join(renderer.failure(error))
     finally:
         # Leaving early (client gone, cancellation) stops the engine request and bills what it did.

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Self
 
 from adapters.errors import AdapterLoadFailed, AdapterNotFound
@@ -32,6 +33,7 @@ from billing.price_book import Metered
 from deployments.engine.interface import (
     EngineRequest,
     FinishReason,
+    Priority,
     PromptTooLong,
     ReplicaLost,
     RequestFailed,
@@ -57,19 +59,34 @@ class RequestLifecycle:
     streamed_tokens: int = 0  # output tokens passed on, for billing an aborted request without usage
     client_has_output: bool = False  # once true, a lost replica ends the request instead of restarting it
     engine_stream: EngineStream | None = None  # the current attempt's
+    # A stream's lease outlives `close` until the proxy has delivered it (`delivered`): a client that
+    # stops reading keeps its concurrency slot (closing_stream_response.py).
+    lease_until_delivered: bool = False
+    _undelivered_tokens: int | None = None
     _outputs: AsyncGenerator[RequestOutput, None] | None = None
     _headers: dict[str, str] | None = None
     _recorded: bool = False
     _closing: "asyncio.Future[None] | None" = None
+    # "batch": a Batch API line (app/batches/runner.py), outside the tenant's interactive rate limits (a
+    # batch has its own bound, lines in flight) but not its money, and in the engine's batch class.
+    priority: Priority = "interactive"
+    batch_id: str | None = None  # a Batch API line's batch, on its usage row
 
     @classmethod
     def begin(
-        cls, services: Services, principal: Principal, plan: RequestPlan, request_id: str, *, stream: bool
+        cls,
+        services: Services,
+        principal: Principal,
+        plan: RequestPlan,
+        request_id: str,
+        *,
+        stream: bool,
+        priority: Priority = "interactive",
     ) -> Self:
         target = plan.target
         # Not reset here: the middleware's reset ends the request's log context, after the stream.
         log_context.bind(model=target.name, adapter=None if target.adapter is None else str(target.adapter))
-        return cls(services, principal, plan, request_id, stream)
+        return cls(services, principal, plan, request_id, stream, priority=priority)
 
     def headers(self) -> dict[str, str]:
         """The admission's rate-limit and budget headers for the response, as they stood when the first
@@ -91,16 +108,22 @@ class RequestLifecycle:
     async def _start(self) -> RequestOutput:
         plan, principal = self.plan, self.principal
         allowance = allowed(plan, principal)  # before admission: a request that cannot run reserves nothing
+        batch = self.priority == "batch"
+        limits = principal.limits
+        if batch:  # the rate limits are the interactive traffic's; max_tokens_cap still bounds the line
+            limits = replace(limits, rpm=None, tpm=None, max_concurrent=None)
         self.admission = await Admission.acquire(
             self.services.limiter,
             tenant=principal.tenant_id,
             tier=principal.tier,
             request_id=self.request_id,
-            limits=principal.limits,
+            limits=limits,
             reserve=plan.prompt_tokens + allowance.output_tokens,  # every prompt, every choice's most output
             fail_open=self.services.limiter_fail_open,
             sequences=allowance.sequences,  # concurrency counts what the engine runs, not HTTP requests
             budget=self._budget_ask(allowance.output_tokens),
+            # over its RPM, its next requests are refused before parsing
+            refusals=None if batch else self.services.refusals,
         )
         self.engine_request = EngineRequest(
             request_id=self.request_id,
@@ -111,7 +134,9 @@ class RequestLifecycle:
             announce=True,  # so a client leaving before its first token still pays for its prefill
             more_prompts=tuple(plan.prompts[1:]),
             tenant=principal.tenant_id,  # the engine's fair share of its waiting queue
+            tenant_weight=principal.weight,  # the tier's share in it
             max_gpu_ms=self.admission.max_gpu_ms,  # its hold covers this much GPU time, no more
+            priority=self.priority,
         )
         self._outputs = self._engine_outputs()
         try:
@@ -130,9 +155,9 @@ class RequestLifecycle:
         return first
 
     async def next_output(self) -> RequestOutput:
-        """The output after the last one (the lease renewed when due); StopAsyncIteration past the end."""
+        """The output after the last one; StopAsyncIteration past the end. (The admission's timer keeps
+        its lease and hold alive meanwhile, output or none.)"""
         assert self.admission is not None and self._outputs is not None
-        await self.admission.renew_if_due()
         return await anext(self._outputs)
 
     async def api_error(self, error: Exception) -> APIError:
@@ -161,6 +186,7 @@ class RequestLifecycle:
             adapter_id=None if target.adapter is None else target.adapter.adapter_id,
             prompt_tokens=self.plan.prompt_tokens,
             output_tokens=output_tokens,
+            price_factor=self.principal.batch_price_factor if self.priority == "batch" else Decimal(1),
         )
 
     async def _explained(self, error: Exception) -> Exception:
@@ -227,7 +253,24 @@ class RequestLifecycle:
             if self.admission is not None:
                 await self.admission.release(0)
             return
+        if status == "aborted" and self.priority == "batch":
+            # Its runner stopped: the line runs again under the same request id, metered and charged then,
+            # once (a usage row and a settled hold of this attempt would take that id first).
+            if self.admission is not None:
+                await self.admission.abandon()
+            return
         await self._finish(status, last)
+
+    async def written(self) -> None:
+        """A stream's last events are being written: from here its lease waits only on delivery."""
+        if self.lease_until_delivered and self.admission is not None:
+            await self.admission.delivering()
+
+    async def delivered(self) -> None:
+        """The response went out (or never will): free the lease that `close` kept for it."""
+        used, self._undelivered_tokens = self._undelivered_tokens, None
+        if used is not None and self.admission is not None:
+            await self.admission.release(used)
 
     async def _finish(self, status: RequestStatus, last: RequestOutput | None) -> None:
         if self._recorded:
@@ -251,7 +294,10 @@ class RequestLifecycle:
             hold = self.admission.hold
             cost = await self.admission.settle(metered)
             currency = None if hold is None else hold.prices.currency
-            await self.admission.release(used)
+            if self.lease_until_delivered:
+                self._undelivered_tokens = used
+            else:
+                await self.admission.release(used)
         target = self.plan.target
         record = RequestRecord(
             request_id=self.request_id,
@@ -268,6 +314,7 @@ class RequestLifecycle:
             stream=self.stream,
             cost=cost,
             currency=None if cost is None else currency,
+            batch_id=self.batch_id,
         )
         log.info(
             "generation %s: %s prompt + %s completion tokens in %.0f ms",

@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.auth.authenticator import Principal
 from app.completions import tool_calls
+from app.completions.reasoning import thinking_switch
 from app.completions.sampling import logit_bias, sampling_params, structured_output
 from app.errors import InvalidParameter
 from app.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -34,6 +35,9 @@ class Shape:
     logprobs: int | None = None  # None: no logprobs; else with this many top alternatives
     echo: tuple[str, ...] | None = None  # /v1/completions echo: each prompt's text, before its completion
     tool_names: frozenset[str] = frozenset()  # chat: the output is parsed for calls of these tools
+    tool_format: tool_calls.ToolFormat = tool_calls.HERMES  # how the model writes them
+    reasoning: bool = False  # chat of a thinking model: the output is split into reasoning and content
+    opened: bool = False  # the prompt opened <think>: the output starts as reasoning
 
 
 @dataclass(frozen=True)
@@ -67,14 +71,19 @@ async def plan_chat(body: ChatCompletionRequest, principal: Principal, services:
         raise InvalidParameter(message, param="messages", code="too_many_messages")
     chars = _check_prompt_size(settings, "messages", [m.size() for m in body.messages])
     _check_n(settings, body.n)
-    tools = tool_calls.plan(body)
+    tools = tool_calls.plan(body)  # checked before the model is looked up, as every request field
     target = await services.resolve(principal, body.model)
     prompts = target.base.prompts
+    fmt = prompts.format
+    if tools.fmt != fmt.tools:  # the model writes calls in its own format
+        tools = tool_calls.plan(body, fmt.tools)
+    structured = tools.structured or structured_output(body.response_format)
+    thinking = thinking_switch(body, fmt.thinks, structured is not None and not structured.triggered)
     bias = logit_bias(body.logit_bias, prompts.vocab_size)
     if chars < INLINE_PROMPT_CHARS and not tools.tools:
-        prompt_ids = prompts.chat(body.messages, tools.tools)
+        prompt = prompts.chat_prompt(body.messages, tools.tools, thinking)
     else:
-        prompt_ids = await run_in_threadpool(prompts.chat, body.messages, tools.tools)
+        prompt = await run_in_threadpool(prompts.chat_prompt, body.messages, tools.tools, thinking)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(
         body,
@@ -83,10 +92,17 @@ async def plan_chat(body: ChatCompletionRequest, principal: Principal, services:
         n=body.n,
         logprobs=logprobs,
         logit_bias=bias,
-        structured=tools.structured or structured_output(body.response_format),
+        structured=structured,
     )
-    shape = Shape(n=body.n, logprobs=logprobs, tool_names=tools.names)
-    return RequestPlan(target, [prompt_ids], params, shape, "messages")
+    shape = Shape(
+        n=body.n,
+        logprobs=logprobs,
+        tool_names=tools.names,
+        tool_format=tools.fmt,
+        reasoning=fmt.thinks and thinking is not False,
+        opened=prompt.opened,
+    )
+    return RequestPlan(target, [prompt.ids], params, shape, "messages")
 
 
 async def plan_completion(body: CompletionRequest, principal: Principal, services: Services) -> RequestPlan:

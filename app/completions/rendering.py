@@ -15,9 +15,10 @@ from typing import Any, Protocol, Self
 
 from app.completions.logprobs import CompletionLogprobsBuilder
 from app.completions.plan import RequestPlan, Shape
+from app.completions.reasoning import ReasoningStream
 from app.completions.tool_calls import ToolCallStream
 from app.errors import to_api_error
-from app.schemas.openai import CompletionLogprobs, PromptTokensDetails, Usage
+from app.schemas.openai import CompletionLogprobs, CompletionTokensDetails, PromptTokensDetails, Usage
 from app.served_models.token_texts import TokenTexts
 from deployments.engine.interface import FinishReason, RequestOutput, RequestUsage, TokenLogprob
 
@@ -61,16 +62,23 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage_block(usage: RequestUsage | None) -> Usage:
+def usage_block(usage: RequestUsage | None, reasoning_tokens: int | None = None) -> Usage:
+    """The usage object; with `reasoning_tokens` (a thinking model's) its completion_tokens_details."""
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     if usage is None:
         return Usage(
-            prompt_tokens=0, completion_tokens=0, total_tokens=0, prompt_tokens_details=PromptTokensDetails()
+            prompt_tokens=0,
+            completion_tokens=0,
+            total_tokens=0,
+            prompt_tokens_details=PromptTokensDetails(),
+            completion_tokens_details=details,
         )
     return Usage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+        completion_tokens_details=details,
     )
 
 
@@ -90,6 +98,8 @@ class Choice:
     finish: str | None = None
     seen: bool = False  # has had an output (an echo's prompt goes before the first)
     tools: ToolCallStream | None = None  # chat with tools
+    reasoning: ReasoningStream | None = None  # chat of a thinking model
+    thought: list[str] = field(default_factory=list)  # its reasoning text, in pieces
     calls: int = 0  # tool calls streamed so far
     forced: bool | None = None  # the grammar closed its output early (near max_tokens): True, else None
     gpu_limited: bool | None = None  # it ended at the request's GPU-time bound: True, else None
@@ -157,6 +167,20 @@ class ChoiceRenderer:
         self._choices.clear()
         self._chars = 0
 
+    def _usage(self, usage: RequestUsage | None) -> Usage:
+        """With a thinking model's reasoning tokens, all choices together."""
+        if not self.shape.reasoning:
+            return usage_block(usage)
+        return usage_block(usage, sum(c.reasoning.tokens for c in self._choices.values() if c.reasoning))
+
+    def _split(self, choice: Choice, out: RequestOutput) -> tuple[str, str]:
+        """(reasoning, content) of an output's text."""
+        if choice.reasoning is None:
+            return "", out.text
+        return choice.reasoning.take(
+            out.text, len(out.token_ids), out.finish_reason is not None or out.finished
+        )
+
     def _get(self, index: int) -> Choice:
         choice = self._choices.get(index)
         if choice is None:
@@ -180,13 +204,13 @@ class ChoiceRenderer:
     async def closing(self, last: RequestOutput) -> list[str]:
         if not self.include_usage:
             return [DONE]
-        return [sse(self._envelope([], usage_block(last.usage))), DONE]
+        return [sse(self._envelope([], self._usage(last.usage))), DONE]
 
     def failure(self, error: Exception) -> list[str]:
         return [sse(to_api_error(error).body())]
 
     def _usage_so_far(self, out: RequestOutput) -> Usage | None:
-        return usage_block(out.usage) if self.continuous_usage else None
+        return self._usage(out.usage) if self.continuous_usage else None
 
     def _envelope(self, choices: list[Any], usage: Usage | None) -> dict[str, Any]:
         """A stream chunk around `choices`."""

@@ -5,6 +5,7 @@
     waiting_state.py   WaitingState: LimiterState plus waiters that sleep until woken (local and Ray)
     wakeups.py         Wakeups: sleeping waiters per tenant, woken in queue order from any thread
     peek_cache.py      PeekCache: peeks shared for a moment, so reads cannot flood the limiter
+    refusal_cache.py   RefusalCache: an RPM refusal kept for a moment, so a refused flood is not parsed
     local_backend.py   LocalLimiter: LimiterState in this process (one ingress replica, tests)
     ray_backend.py     RayLimiter: LimiterState in one named Ray actor (the embedded default)
     redis_backend.py   RedisLimiter: the same algorithm as Lua scripts in Redis (production)

@@ -22,7 +22,7 @@ class LimiterConfig(BaseModel):
         default=False, description="Admit requests when the limiter is unreachable (default: answer 503)."
     )
     timeout_s: float = Field(
-        default=3.0,
+        default=10.0,
         gt=0,
         description="How long one limiter call may take before the limiter counts as unreachable (a "
         "queued admit gets its queue wait on top). A hang guard: a refused connection fails at once.",

@@ -30,6 +30,9 @@ class LocalLimiter(LimiterBackend):
     async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
         self.waiting.renew(tenant, request_id, limits.lease_ttl_ms)
 
+    async def deliver(self, tenant: str, request_id: str) -> None:
+        self.waiting.deliver(tenant, request_id)
+
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         self.waiting.leave_queue(tenant, request_id)
 

@@ -19,7 +19,7 @@ def _read(name: str) -> str:
 
 @cache
 def lua_script(name: str) -> str:
-    """Script `name` (admit, release, renew, leave_queue, peek): the prelude, then its body, with the
+    """Script `name` (admit, release, renew, deliver, leave_queue, peek): the prelude, then its body, with the
     bounds filled in."""
     script = _read("prelude") + _read(name)
     for placeholder, value in (("MAX_LIMIT_VALUE", MAX_LIMIT), ("MAX_TOKENS_VALUE", MAX_TOKENS)):

@@ -14,14 +14,27 @@ WINDOW_MS = 60_000
 # "queued": still behind earlier waiters when the wait ran out; "queue_full": the tenant already has as many
 # waiters as the limiter allows, so this one was refused without waiting; "too_large": more tokens than a
 # minute's, "too_many_sequences": more sequences than max_concurrent (neither can ever fit: never queued).
+# "delivering": over max_concurrent only because of streams whose output is all written, waiting for the
+# proxy to deliver it (see `deliver`): they end within milliseconds once their client has read them.
 Reason = Literal[
-    "requests", "tokens", "concurrency", "queued", "queue_full", "too_large", "too_many_sequences"
+    "requests",
+    "tokens",
+    "concurrency",
+    "delivering",
+    "queued",
+    "queue_full",
+    "too_large",
+    "too_many_sequences",
 ]
 FINAL_REASONS: frozenset[Reason] = frozenset({"queue_full", "too_large", "too_many_sequences"})  # no waiting
 MAX_TOKENS = 10**12  # far above any real request or minute, far below where Lua's doubles lose integers
 MAX_WAIT_MS = 3_600_000  # an hour: longer than any queue tier waits
 DEFAULT_MAX_WAITERS = 64  # waiters per tenant; past them a queued request is refused at once
 MAX_SEQUENCES = 10**6  # a lease's weight: far above any request's n x prompts
+# How long a request refused only for streams still being delivered waits for them, even on a tier that
+# rejects at its limit: a client that read a stream to its end and sends the next request at once must not
+# race the proxy's acknowledgement of that stream (a client that stops reading costs the next one this).
+DELIVERY_GRACE_MS = 2_000
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,12 @@ class LimiterBackend(Protocol):
 
     async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
         """Push the lease's expiry back (long streams)."""
+        ...
+
+    async def deliver(self, tenant: str, request_id: str) -> None:
+        """The request's output is all written and only waits to be delivered: its lease still counts,
+        but a request it alone keeps out is refused as `delivering` (worth a short wait) rather than
+        `concurrency`. A no-op for a lease that is gone."""
         ...
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:

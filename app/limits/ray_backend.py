@@ -50,6 +50,9 @@ class LimiterActor:
     async def renew(self, tenant: str, request_id: str, ttl_ms: int) -> None:
         self.state.renew(tenant, request_id, ttl_ms)
 
+    async def deliver(self, tenant: str, request_id: str) -> None:
+        self.state.deliver(tenant, request_id)
+
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         self.state.leave_queue(tenant, request_id)
 
@@ -62,7 +65,7 @@ class RayLimiter(LimiterBackend):
         self,
         *,
         namespace: str = "loraplex",
-        timeout_s: float = 2.0,
+        timeout_s: float = 10.0,
         max_waiters_per_tenant: int = DEFAULT_MAX_WAITERS,
     ) -> None:
         self._actor: Any = LimiterActor.options(  # type: ignore[attr-defined]
@@ -101,6 +104,9 @@ class RayLimiter(LimiterBackend):
 
     async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
         await self._call(self._actor.renew.remote(tenant, request_id, limits.lease_ttl_ms))
+
+    async def deliver(self, tenant: str, request_id: str) -> None:
+        await self._call(self._actor.deliver.remote(tenant, request_id))
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         await self._call(self._actor.leave_queue.remote(tenant, request_id))

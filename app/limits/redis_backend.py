@@ -13,6 +13,7 @@ Keys, per tenant, share the hash tag `{tenant}` (one cluster slot, so one script
     tokens:total  STRING sum of tokens:n                 kept in step, so admit never sums the hash
     leases        ZSET  request id -> expiry (ms)
     leases:n      HASH  request id -> sequences         the lease's weight against max_concurrent
+    delivering    SET   request ids                     leases whose output only waits to be delivered
     queue         ZSET  request id -> arrival (ms)      FIFO order
     queue:seen    ZSET  request id -> last poll (ms)    a ZSET, not a HASH: stale waiters are a range query
 
@@ -55,7 +56,13 @@ from app.limits.protocol import (
     check_tokens,
     check_wait,
 )
-from app.limits.state import CONCURRENCY_RETRY_MS, HEARTBEAT_MS, QUEUE_STALE_MS, QUEUED_RETRY_MS
+from app.limits.state import (
+    CONCURRENCY_RETRY_MS,
+    DELIVERING_RETRY_MS,
+    HEARTBEAT_MS,
+    QUEUE_STALE_MS,
+    QUEUED_RETRY_MS,
+)
 from app.limits.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
@@ -69,11 +76,13 @@ _KEY_SUFFIXES = (
     "queue",
     "queue:seen",
     "leases:n",
+    "delivering",
 )
 _REASONS: dict[bytes, Reason] = {
     b"requests": "requests",
     b"tokens": "tokens",
     b"concurrency": "concurrency",
+    b"delivering": "delivering",
     b"queued": "queued",
     b"queue_full": "queue_full",
     b"too_large": "too_large",
@@ -95,7 +104,7 @@ class RedisLimiter(LimiterBackend):
         self,
         url: str,
         *,
-        timeout_s: float = 3.0,
+        timeout_s: float = 10.0,
         key_prefix: str = "loraplex:rl",
         max_connections: int = 32,
         max_waiters_per_tenant: int = DEFAULT_MAX_WAITERS,
@@ -122,6 +131,7 @@ class RedisLimiter(LimiterBackend):
         self._release = self._redis.register_script(lua_script("release"))
         self._renew = self._redis.register_script(lua_script("renew"))
         self._leave_queue = self._redis.register_script(lua_script("leave_queue"))
+        self._deliver = self._redis.register_script(lua_script("deliver"))
         self._peek = self._redis.register_script(lua_script("peek"))
         self._wakeups = Wakeups()
         self._listener: asyncio.Task[None] | None = None  # started by the first waiter
@@ -203,6 +213,7 @@ class RedisLimiter(LimiterBackend):
             self._channel,
             tenant,
             sequences,
+            DELIVERING_RETRY_MS,
         ]
         reply = await self._run(self._admit, tenant, args)
         admitted, reason, retry_after, requests, reset_requests, tokens, reset_tokens = reply
@@ -227,6 +238,9 @@ class RedisLimiter(LimiterBackend):
 
     async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
         await self._run(self._renew, tenant, [request_id, limits.lease_ttl_ms, WINDOW_MS])
+
+    async def deliver(self, tenant: str, request_id: str) -> None:
+        await self._run(self._deliver, tenant, [request_id, WINDOW_MS])
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         waiter = self._wakeups.get(tenant, request_id)
@@ -268,18 +282,22 @@ class RedisLimiter(LimiterBackend):
             except (RedisError, OSError) as error:
                 log.debug("rate limiter wake listener lost Redis, retrying: %r", error)
             finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                    await client.aclose()
+                # Bounded: closing a subscription that a cancel interrupted can wait on its connection for
+                # good (seen as a 420 s hang in a test's teardown); a lost close only leaks one socket.
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    async with asyncio.timeout(self._timeout):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        await client.aclose()
             await asyncio.sleep(LISTEN_RETRY_S)
 
     async def aclose(self) -> None:
         """Close the pool's connections and the listener (the limiter cannot be used afterwards)."""
         if self._listener is not None and not self._listener.done():
             self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._listener
-        await self._redis.aclose()
+            await asyncio.wait({self._listener}, timeout=self._timeout)  # never hang a shutdown on it
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._timeout):
+                await self._redis.aclose()
 
 
 def _nap_ms(decision: Decision) -> int:

@@ -25,6 +25,7 @@ from app.limits.protocol import (
 QUEUE_STALE_MS = 2_000  # a waiter that has not checked for this long has given up
 HEARTBEAT_MS = QUEUE_STALE_MS // 4  # a waiting backend re-checks at least this often, keeping its place
 CONCURRENCY_RETRY_MS = 250  # nobody knows when a running request ends: poll again soon
+DELIVERING_RETRY_MS = 20  # a delivered stream's lease goes as soon as its client has read it
 QUEUED_RETRY_MS = 50  # a waiter that is not at the head of the queue
 
 
@@ -36,6 +37,7 @@ class _Tenant:
     leases: dict[str, int] = field(default_factory=dict)  # id -> expiry (ms)
     sequences: dict[str, int] = field(default_factory=dict)  # id -> its lease's weight, while it has one
     queue: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> last poll (ms), arrival order
+    delivering: set[str] = field(default_factory=set)  # leases whose output only waits to be delivered
 
 
 class LimiterState:
@@ -110,6 +112,9 @@ class LimiterState:
         if limits.tpm is not None and t.token_total + reserve > limits.tpm:
             return "tokens", self._token_wait(t, limits.tpm - reserve, now)
         if limits.max_concurrent is not None and self._held(t) + sequences > limits.max_concurrent:
+            delivering = sum(t.sequences.get(lease, 1) for lease in t.delivering if lease in t.leases)
+            if self._held(t) - delivering + sequences <= limits.max_concurrent:
+                return "delivering", DELIVERING_RETRY_MS
             return "concurrency", CONCURRENCY_RETRY_MS
         return None
 
@@ -125,6 +130,7 @@ class LimiterState:
             return
         t.leases.pop(request_id, None)
         t.sequences.pop(request_id, None)
+        t.delivering.discard(request_id)
         entry = t.tokens.get(request_id)
         if entry is not None:  # still in the window: the minute's total reflects what was really used
             t.tokens[request_id] = (entry[0], used)
@@ -134,6 +140,11 @@ class LimiterState:
         t = self._tenants.get(tenant)
         if t is not None and request_id in t.leases:
             t.leases[request_id] = (self.now_ms() if now is None else now) + ttl_ms
+
+    def deliver(self, tenant: str, request_id: str) -> None:
+        t = self._tenants.get(tenant)
+        if t is not None and request_id in t.leases:
+            t.delivering.add(request_id)
 
     def leave_queue(self, tenant: str, request_id: str) -> None:
         t = self._tenants.get(tenant)
@@ -172,6 +183,7 @@ class LimiterState:
         for lease_id in [i for i, expiry in t.leases.items() if expiry <= now]:
             del t.leases[lease_id]
             t.sequences.pop(lease_id, None)
+            t.delivering.discard(lease_id)
         for waiter in [i for i, seen in t.queue.items() if seen <= now - QUEUE_STALE_MS]:
             del t.queue[waiter]
 

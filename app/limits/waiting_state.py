@@ -78,6 +78,9 @@ class WaitingState:
     def renew(self, tenant: str, request_id: str, ttl_ms: int) -> None:
         self.state.renew(tenant, request_id, ttl_ms)
 
+    def deliver(self, tenant: str, request_id: str) -> None:
+        self.state.deliver(tenant, request_id)
+
     def leave_queue(self, tenant: str, request_id: str) -> None:
         waiter = self._wakeups.get(tenant, request_id)
         if waiter is not None:  # its caller gave up while it sleeps here: end that wait now

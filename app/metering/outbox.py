@@ -5,6 +5,12 @@ database that is down loses nothing: delivery retries until it succeeds, and the
 already has, so a retried batch is never counted twice. One SQLite file per node is shared by every ingress
 replica there: a replica claims rows for a while, and rows claimed by a replica that died are claimed again
 once the claim lapses.
+
+`try_add` writes a record on the caller's thread (the event loop: ~0.1 ms, a third of a hop to the thread
+pool) when it can do so without waiting: nobody in this process holds the outbox and SQLite's write lock is
+free (another replica's claim holds it for a moment). Otherwise it writes nothing and the caller uses `add`
+in a thread. Its connection never checkpoints (the delivery connection does, off the loop), so the loop
+never waits on an fsync.
 """
 
 import json
@@ -20,6 +26,7 @@ from app.private_files import create_private_file
 from billing.usage import UsageRecord
 
 _DATETIME_FIELDS = {"started_at", "finished_at"}
+_INSERT = "INSERT OR IGNORE INTO outbox (request_id, body) VALUES (?, ?)"
 
 
 def _encode(record: UsageRecord) -> str:
@@ -52,13 +59,28 @@ class Outbox:
             "CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, "
             "request_id TEXT UNIQUE, body TEXT NOT NULL, claimed_by TEXT, claimed_until REAL)"
         )
+        # The event loop's connection: never waits for SQLite's lock (timeout 0), never checkpoints.
+        self._inline = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)
+        self._inline.execute("PRAGMA synchronous=NORMAL")
+        self._inline.execute("PRAGMA wal_autocheckpoint=0")
 
     def add(self, record: UsageRecord) -> None:
         with self._lock:
-            self._db.execute(
-                "INSERT OR IGNORE INTO outbox (request_id, body) VALUES (?, ?)",
-                (record.request_id, _encode(record)),
-            )
+            self._db.execute(_INSERT, (record.request_id, _encode(record)))
+
+    def try_add(self, record: UsageRecord) -> bool:
+        """`add` if it needs no wait (see the module's docstring); False: nothing was written."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._inline.execute(_INSERT, (record.request_id, _encode(record)))
+        except sqlite3.OperationalError as error:
+            if "locked" in str(error) or "busy" in str(error):
+                return False  # another connection is writing: the statement was rolled back
+            raise
+        finally:
+            self._lock.release()
+        return True
 
     def claim(self, owner: str, limit: int, lease_s: float = 60.0) -> list[tuple[int, UsageRecord]]:
         """Rows nobody holds (or whose holder's claim lapsed), now held by `owner` for `lease_s`."""
@@ -97,4 +119,5 @@ class Outbox:
 
     def close(self) -> None:
         with self._lock:
+            self._inline.close()
             self._db.close()

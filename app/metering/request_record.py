@@ -31,6 +31,7 @@ class RequestRecord:
     stream: bool
     cost: Decimal | None = None  # settled at admission's prices (app/budgets/guard.py); None: not priced
     currency: str | None = None
+    batch_id: str | None = None  # a Batch API line's batch
 
 
 class RequestObserver(Protocol):

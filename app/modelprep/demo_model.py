@@ -1,6 +1,7 @@
 """Small random-init HF causal-LM model directories, built offline and deterministically from a seed.
 
-Tests, benchmarks and the product demo need real architectures (Llama, Qwen2, Mistral) with a real
+Tests, benchmarks and the product demo need real architectures (Llama, Qwen2, Mistral, Phi-3, Qwen3, Gemma 3
+text) with a real
 tokenizer, without a model hub. This module trains a byte-level BPE tokenizer on a synthetic corpus,
 initialises a model from a named shape preset and saves both into one directory, which the engine
 then loads like any HF model dir (`AutoModelForCausalLM.from_pretrained(dir)`,
@@ -30,19 +31,26 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
-Arch = Literal["llama", "qwen2", "mistral"]
+# phi3: fused qkv_proj and gate_up_proj
+Arch = Literal["llama", "qwen2", "mistral", "phi3", "qwen3", "gemma3_text"]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
@@ -150,7 +158,10 @@ class ModelShape(BaseModel):
     sliding_window: int | None = Field(
         default=None,
         gt=0,
-        description="Attention window: Mistral always, Qwen2 if qwen2_use_sliding_window, Llama never.",
+        description=(
+            "Attention window: Mistral and Phi-3 always, Qwen2 if qwen2_use_sliding_window, Qwen3 in its"
+            " second half of layers, Gemma 3 in every other layer, Llama never."
+        ),
     )
     qwen2_use_sliding_window: bool = Field(
         default=False,
@@ -352,6 +363,29 @@ def _arch_config(arch: Arch, shape: ModelShape, common: dict[str, Any]) -> PreTr
             sliding_window=shape.sliding_window,
             max_window_layers=0,  # layers >= max_window_layers slide: all of them, as in Mistral
         )
+    if arch == "phi3":  # Phi-3 mini 4k's kind: one window in every layer, default RoPE
+        return Phi3Config(**common, sliding_window=shape.sliding_window)
+    if arch == "qwen3":
+        # The second half of the layers slide (per layer_types), so that a forward must window per layer.
+        return Qwen3Config(
+            **common,
+            use_sliding_window=shape.sliding_window is not None,
+            sliding_window=shape.sliding_window,
+            max_window_layers=shape.num_hidden_layers // 2,
+        )
+    if arch == "gemma3_text":
+        head_dim = shape.resolved_head_dim
+        return Gemma3TextConfig(
+            **common,
+            # Local (sliding, rope theta 1e4) and global (1e6) layers alternate, local first.
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(shape.num_hidden_layers)
+            ],
+            sliding_window=shape.sliding_window or shape.max_position_embeddings,
+            query_pre_attn_scalar=2 * head_dim,  # not head_dim: a forward that scales by head_dim shows
+            final_logit_softcapping=30.0,  # Gemma 2's cap (Gemma 3 ships None): the capped path is tested
+        )
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -400,7 +434,14 @@ def _init_model(
     arch: Arch, shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int
 ) -> PreTrainedModel:
     config = _model_config(arch, shape, tokenizer)
-    model_class = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[arch]
+    model_class = {
+        "llama": LlamaForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
+        "mistral": MistralForCausalLM,
+        "phi3": Phi3ForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+        "gemma3_text": Gemma3ForCausalLM,
+    }[arch]
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's global RNG
         torch.manual_seed(seed)
         model: PreTrainedModel = model_class(config)

@@ -10,7 +10,8 @@ ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
 def item_id(kind: str) -> str:
-    """`msg_...` for messages, `fc_...` for function calls: ids of items within responses."""
+    """`msg_...` for messages, `fc_...` for function calls, `rs_...` for reasoning: ids of items within
+    responses."""
     return f"{kind}_{secrets.token_hex(16)}"
 
 
@@ -38,7 +39,24 @@ class FunctionCallOut(BaseModel):
     status: ItemStatus
 
 
-OutputItem = MessageOut | FunctionCallOut
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOut(BaseModel):
+    """A thinking model's reasoning, as OpenAI shapes it for open models: the text whole in `content`;
+    no summary is written (`summary` empty) and nothing is encrypted."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningTextPart]
+    encrypted_content: str | None = None
+    status: ItemStatus
+
+
+OutputItem = ReasoningOut | MessageOut | FunctionCallOut
 
 
 class InputTokensDetails(BaseModel):
@@ -58,7 +76,12 @@ class ResponseUsage(BaseModel):
 
 
 class IncompleteDetails(BaseModel):
+    """Why a response is incomplete. A response stopped at its GPU-time bound is cut by a limit, as one cut
+    by max_output_tokens is (chat's finish_reason "length"), and says `gpu_time_limited: true` as chat's
+    choice does; the field is absent otherwise."""
+
     reason: Literal["max_output_tokens"]
+    gpu_time_limited: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ResponseError(BaseModel):

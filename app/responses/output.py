@@ -2,8 +2,13 @@
 typed stream events that announce them, in the order OpenAI's SDK assembles (each item added, its content
 streamed, then done), numbered by `sequence_number`.
 
-A message item opens at the first text and closes when a function call starts or the output ends; each
-call is one item whose arguments arrive in one delta (the tool-call parser releases a call whole).
+A thinking model's reasoning item comes first (its text streamed as `response.reasoning_text.delta`); a
+message item opens at the first text and closes when a function call starts or the output ends; each call
+is one item whose arguments arrive in one delta (the tool-call parser releases a call whole).
+
+The open item's text (or arguments) is collected as pieces and joined once when the item closes: appending
+each delta with `+=` copied the text so far every time, quadratic in a long stream (issue 35). Nothing
+reads an open item's text before it closes: the output items are read after `finish`.
 """
 
 import json
@@ -16,6 +21,8 @@ from app.responses.objects import (
     MessageOut,
     OutputItem,
     OutputTextPart,
+    ReasoningOut,
+    ReasoningTextPart,
     ResponseObject,
     item_id,
 )
@@ -31,6 +38,7 @@ class OutputBuilder:
     items: list[OutputItem] = field(default_factory=list)
     sequence: int = 0
     _open: OutputItem | None = None  # the item being streamed
+    _pieces: list[str] = field(default_factory=list)  # its text or arguments so far, joined when it closes
     _events: list[str] = field(default_factory=list)
 
     # -- events ---------------------------------------------------------------------------------------
@@ -54,31 +62,47 @@ class OutputBuilder:
     # -- building ---------------------------------------------------------------------------------------
 
     def text(self, delta: str) -> None:
+        self._stream_text(MessageOut, delta)
+
+    def reasoning(self, delta: str) -> None:
+        """Reasoning text: a reasoning item (before the message), streamed as `reasoning_text` deltas."""
+        self._stream_text(ReasoningOut, delta)
+
+    def _stream_text(self, kind: type[MessageOut | ReasoningOut], delta: str) -> None:
+        """A delta of the open item's text, opening an item of `kind` first unless one is open."""
         if not delta:
             return
-        message = self._open
-        if not isinstance(message, MessageOut):
-            self._close()
-            message = MessageOut(id=item_id("msg"), status="in_progress", content=[])
-            self._add(message)
-            part = OutputTextPart(text="")
-            message.content.append(part)
-            self._emit(
-                "response.content_part.added",
-                item_id=message.id,
-                output_index=len(self.items) - 1,
-                content_index=0,
-                part=part.model_dump(),
-            )
-        message.content[0].text += delta
+        item = self._open
+        if not isinstance(item, kind):
+            if kind is MessageOut:
+                item = MessageOut(id=item_id("msg"), status="in_progress", content=[OutputTextPart(text="")])
+            else:
+                item = ReasoningOut(
+                    id=item_id("rs"), status="in_progress", content=[ReasoningTextPart(text="")]
+                )
+            self._open_with_part(item, item.content[0])
+        if isinstance(item, MessageOut):
+            self._delta("response.output_text.delta", item.id, delta, logprobs=[])
+        else:
+            self._delta("response.reasoning_text.delta", item.id, delta)
+
+    def _open_with_part(
+        self, item: MessageOut | ReasoningOut, part: OutputTextPart | ReasoningTextPart
+    ) -> None:
+        """A new item with one text part: the open one closed first; added, then its part added."""
+        self._close()
+        self._add(item)
         self._emit(
-            "response.output_text.delta",
-            item_id=message.id,
+            "response.content_part.added",
+            item_id=item.id,
             output_index=len(self.items) - 1,
             content_index=0,
-            delta=delta,
-            logprobs=[],
+            part=part.model_dump(),
         )
+
+    def _delta(self, kind: str, item: str, delta: str, **more: object) -> None:
+        self._pieces.append(delta)
+        self._emit(kind, item_id=item, output_index=len(self.items) - 1, content_index=0, delta=delta, **more)
 
     def call(self, call_id: str, name: str, arguments: str) -> None:
         """A function call, whole: added, its arguments, done."""
@@ -96,7 +120,7 @@ class OutputBuilder:
         call = self._open
         if not isinstance(call, FunctionCallOut) or not delta:
             return
-        call.arguments += delta
+        self._pieces.append(delta)
         self._emit(
             "response.function_call_arguments.delta",
             item_id=call.id,
@@ -118,24 +142,18 @@ class OutputBuilder:
         if item is None:
             return
         index = len(self.items) - 1
-        if isinstance(item, MessageOut):
+        joined, self._pieces = "".join(self._pieces), []
+        if isinstance(item, MessageOut | ReasoningOut):
             part = item.content[0]
-            self._emit(
-                "response.output_text.done",
-                item_id=item.id,
-                output_index=index,
-                content_index=0,
-                text=part.text,
-                logprobs=[],
-            )
-            self._emit(
-                "response.content_part.done",
-                item_id=item.id,
-                output_index=index,
-                content_index=0,
-                part=part.model_dump(),
-            )
+            part.text = joined
+            message = isinstance(item, MessageOut)
+            done = "output_text" if message else "reasoning_text"
+            more: dict[str, Any] = {"logprobs": []} if message else {}
+            common = {"item_id": item.id, "output_index": index, "content_index": 0}
+            self._emit(f"response.{done}.done", **common, text=joined, **more)
+            self._emit("response.content_part.done", **common, part=part.model_dump())
         else:
+            item.arguments = joined
             self._emit(
                 "response.function_call_arguments.done",
                 item_id=item.id,

@@ -1,6 +1,7 @@
 """ResponsesRenderer: a response's engine outputs as a response object, or the Responses API's typed
-event stream, straight from the engine's text (the tool-call parser releases each call whole); and the
-response stored once it has ended (completed, or incomplete on length).
+event stream, straight from the engine's text (a thinking model's reasoning split off first, into a
+reasoning item; the tool-call parser releases each call whole); and the response stored once it has ended
+(completed, or incomplete on length).
 
 If the database fails at that point the client still gets its response, with `store: false` saying that
 it was not kept (and the failure logged): it was served and billed.
@@ -12,20 +13,23 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from app.completions.plan import Shape
+from app.completions.reasoning import ReasoningStream
 from app.completions.rendering import HEAVY_BLOCKS, HEAVY_CHARS, finish_reason
-from app.completions.tool_calls import BEGIN, ParsedCall, ToolCallStream, parse
+from app.completions.tool_calls import ParsedCall, ToolCallStream, parse
 from app.errors import to_api_error
 from app.responses.conversation import Conversation
 from app.responses.objects import (
     IncompleteDetails,
     InputTokensDetails,
     OutputItem,
+    OutputTokensDetails,
     ResponseError,
     ResponseObject,
     ResponseUsage,
 )
 from app.responses.output import OutputBuilder
-from app.responses.store import ResponseStore
+from app.responses.store import ResponseStore, Stored
 from deployments.engine.interface import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -35,26 +39,32 @@ class ResponsesRenderer:
     def __init__(
         self,
         response: ResponseObject,
-        tool_names: frozenset[str],
+        shape: Shape,
         *,
         tenant_id: str,
         conversation: Conversation,
         store: ResponseStore,
+        previous: Stored | None = None,
     ) -> None:
         self.response = response  # as created: in progress, no output yet
-        self.tool_names = tool_names
+        self.shape = shape
+        self.tool_names = shape.tool_names
         self.tenant_id = tenant_id
         self.conversation = conversation  # what is stored with it
         self.store = store
+        self.previous = previous  # the response it continues, read with its chain: stored by reference to it
         self.reset()
 
     def reset(self) -> None:
         self._builder = OutputBuilder()
         self._text: list[str] = []
         self._chars = 0
-        self._tools = ToolCallStream(self.tool_names) if self.tool_names else None
+        self._tools = ToolCallStream(self.tool_names, self.shape.tool_format) if self.tool_names else None
+        self._reasoning = ReasoningStream(self.shape.opened) if self.shape.reasoning else None
+        self._thought: list[str] = []
         self._calls = 0
         self._finish: str | None = None
+        self._gpu_limited: bool | None = None  # it ended at the request's GPU-time bound
 
     def heavy(self, out: RequestOutput | None = None) -> bool:
         if out is None:
@@ -66,23 +76,35 @@ class ResponsesRenderer:
         return chars >= HEAVY_CHARS or self._openings(out.text) >= HEAVY_BLOCKS
 
     def _openings(self, text: str) -> int:
-        return text.count(BEGIN) if self.tool_names else 0
+        return text.count(self.shape.tool_format.begin) if self.tool_names else 0
+
+    def _split(self, out: RequestOutput) -> tuple[str, str]:
+        """(reasoning, content) of an output's text, its tokens counted as chat counts them."""
+        if self._reasoning is None:
+            return "", out.text
+        return self._reasoning.take(
+            out.text, len(out.token_ids), out.finish_reason is not None or out.finished
+        )
 
     # -- whole responses ----------------------------------------------------------------------------
 
     def add(self, out: RequestOutput) -> None:
-        self._text.append(out.text)
+        reasoning, content = self._split(out)
+        self._thought.append(reasoning)
+        self._text.append(content)
         self._chars += len(out.text)
         if out.finish_reason is not None:
             self._finish = finish_reason(out)
+            self._gpu_limited = out.gpu_limited or None
 
     def body(self, last: RequestOutput) -> dict[str, Any]:
         text = "".join(self._text)
         content: str | None = text
         calls: list[ParsedCall] = []
         if self.tool_names:
-            content, calls = parse(text, self.tool_names)
+            content, calls = parse(text, self.tool_names, self.shape.tool_format)
         builder = OutputBuilder()
+        builder.reasoning("".join(self._thought))
         if content:
             builder.text(content)
         for call in calls:
@@ -97,7 +119,12 @@ class ResponsesRenderer:
             return body
         try:
             await run_in_threadpool(
-                self.store.save, self.tenant_id, body, self.conversation.context, self.conversation.items
+                self.store.save,
+                self.tenant_id,
+                body,
+                self.conversation.context,
+                self.conversation.items,
+                self.previous,
             )
         except Exception:  # the response was served and billed: the client gets it, marked unstored
             log.exception("storing response %s failed", body["id"])
@@ -109,7 +136,11 @@ class ResponsesRenderer:
         update: dict[str, Any] = {
             "status": "incomplete" if incomplete else "completed",
             "completed_at": None if incomplete else int(time.time()),
-            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None,
+            "incomplete_details": (
+                IncompleteDetails(reason="max_output_tokens", gpu_time_limited=self._gpu_limited)
+                if incomplete
+                else None
+            ),
             "output": items,
         }
         if usage is not None:
@@ -117,6 +148,9 @@ class ResponsesRenderer:
                 input_tokens=usage.prompt_tokens,
                 input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens),
                 output_tokens=usage.completion_tokens,
+                output_tokens_details=OutputTokensDetails(
+                    reasoning_tokens=self._reasoning.tokens if self._reasoning is not None else 0
+                ),
                 total_tokens=usage.prompt_tokens + usage.completion_tokens,
             )
         return self.response.model_copy(update=update).model_dump()
@@ -132,10 +166,12 @@ class ResponsesRenderer:
     def events(self, out: RequestOutput) -> list[str]:
         builder, tools = self._builder, self._tools
         ended = out.finish_reason is not None
+        reasoning, text = self._split(out)
+        builder.reasoning(reasoning)
         if tools is None:
-            builder.text(out.text)
+            builder.text(text)
         else:
-            for piece in tools.feed(out.text) + (tools.finish() if ended else []):
+            for piece in tools.feed(text) + (tools.finish() if ended else []):
                 if isinstance(piece, str):
                     builder.text(piece)
                 else:
@@ -144,6 +180,7 @@ class ResponsesRenderer:
                     builder.call_arguments(piece.arguments)
         if ended:
             self._finish = finish_reason(out)
+            self._gpu_limited = out.gpu_limited or None
         return builder.take()
 
     async def closing(self, last: RequestOutput) -> list[str]:

@@ -7,6 +7,7 @@ inputs (the served models read text), built-in tools (web search, file search, .
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -20,16 +21,33 @@ from app.schemas.extensions import MAX_TOKENS_BOUND, ResponsesClientDefaults, Vl
 from app.schemas.openai import (
     MAX_ARGUMENTS_CHARS,
     MAX_DESCRIPTION_CHARS,
+    MAX_INPUT_ITEMS,
     MAX_TOOLS,
     FunctionDefinition,
     Id,
     ToolName,
     _bounded_schema,
+    count_items,
 )
 
 MAX_METADATA_KEYS = 16  # as OpenAI
 MAX_OUTPUT_CHARS = 1_000_000  # a function call's output sent back
+MAX_ITEM_ID_CHARS = 64  # a client's item id, stored and listed, never rendered (OpenAI's ids have ~52)
 UNSERVED_CONTENT = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+def _metadata_keys(value: dict[str, str]) -> dict[str, str]:
+    if any(len(key) > 64 for key in value):
+        raise ValueError("metadata keys may have at most 64 characters")
+    return value
+
+
+# Up to 16 key-value pairs (keys up to 64 characters, values up to 512), as OpenAI; batches take it too.
+Metadata = Annotated[
+    dict[str, Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA_KEYS),
+    AfterValidator(_metadata_keys),
+]
 
 
 class _Request(BaseModel):
@@ -46,6 +64,7 @@ class OutputText(_Request):
 
     type: Literal["output_text"]
     text: str
+    # Accepted as the SDKs send them back, never rendered into a prompt: stored empty (conversation.with_ids).
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
 
@@ -70,7 +89,7 @@ class MessageItem(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ContentPart]
-    id: str | None = Field(default=None, max_length=256)
+    id: str | None = Field(default=None, max_length=MAX_ITEM_ID_CHARS)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     _content = field_validator("content", mode="before")(_served_parts)
@@ -86,7 +105,7 @@ class FunctionCallItem(_Request):
     call_id: Id
     name: ToolName
     arguments: str = Field(max_length=MAX_ARGUMENTS_CHARS)
-    id: str | None = Field(default=None, max_length=256)
+    id: str | None = Field(default=None, max_length=MAX_ITEM_ID_CHARS)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
@@ -94,7 +113,7 @@ class FunctionCallOutputItem(_Request):
     type: Literal["function_call_output"]
     call_id: Id
     output: str | list[InputText] = Field(description="What the function returned.")
-    id: str | None = Field(default=None, max_length=256)
+    id: str | None = Field(default=None, max_length=MAX_ITEM_ID_CHARS)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     @field_validator("output")
@@ -108,7 +127,25 @@ class FunctionCallOutputItem(_Request):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+class ReasoningText(_Request):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str = Field(max_length=MAX_OUTPUT_CHARS)
+
+
+class ReasoningItem(_Request):
+    """A reasoning item sent back (as this API or OpenAI returned it): accepted so that clients can replay
+    their output whole, and left out of the prompt (no model here is trained to read past reasoning: Qwen3's
+    template drops it from earlier turns too)."""
+
+    type: Literal["reasoning"]
+    id: str | None = Field(default=None, max_length=MAX_ITEM_ID_CHARS)
+    summary: list[ReasoningText] = Field(default_factory=list, max_length=MAX_INPUT_ITEMS)
+    content: list[ReasoningText] | None = Field(default=None, max_length=MAX_INPUT_ITEMS)
+    encrypted_content: str | None = Field(default=None, max_length=MAX_OUTPUT_CHARS)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def item_type(value: Any) -> str | None:
@@ -122,7 +159,8 @@ def item_type(value: Any) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(item_type),
 ]
 
@@ -180,9 +218,7 @@ class ResponseRequest(VllmSampling, ResponsesClientDefaults, _Request):
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: StrictBool = True
     text: TextConfig | None = None
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
-        default=None, max_length=MAX_METADATA_KEYS, description="Up to 16 key-value pairs, returned as sent."
-    )
+    metadata: Metadata | None = Field(default=None, description="Up to 16 key-value pairs, returned as sent.")
     user: str | None = Field(default=None, max_length=256)
     store: StrictBool = Field(default=True, description="Keep the response for retrieval and continuation.")
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=64)
@@ -203,14 +239,16 @@ class ResponseRequest(VllmSampling, ResponsesClientDefaults, _Request):
     @field_validator("input", mode="before")
     @classmethod
     def _known_items(cls, value: Any) -> Any:
-        """Item types we do not serve are named (a failed union would list pydantic's tags instead)."""
+        """The count is checked first (before any item is); item types we do not serve are named (a failed
+        union would list pydantic's tags instead)."""
+        count_items("input", value, MAX_INPUT_ITEMS)
         if isinstance(value, list):
             for number, item in enumerate(value):
                 kind = item_type(item)
                 if kind not in ITEM_TYPES:
                     raise ValueError(
                         f"input[{number}] has type {str(kind)[:64]!r}; the items served are messages, "
-                        "function_call and function_call_output"
+                        "function_call, function_call_output and reasoning"
                     )
                 if kind == "message" and isinstance(item, dict):
                     _served_parts(item.get("content"))  # named here: the union's errors would name `str`
@@ -237,13 +275,6 @@ class ResponseRequest(VllmSampling, ResponsesClientDefaults, _Request):
             raise ValueError("tool names must be unique")
         return value
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value and any(len(key) > 64 for key in value):
-            raise ValueError("metadata keys may have at most 64 characters")
-        return value
-
     @field_validator("background")
     @classmethod
     def _foreground(cls, value: bool | None) -> bool | None:
@@ -251,7 +282,7 @@ class ResponseRequest(VllmSampling, ResponsesClientDefaults, _Request):
             raise ValueError("background responses are not supported; send the request and wait for it")
         return value
 
-    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
         """The input as a list of items (a string is one user message)."""
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]

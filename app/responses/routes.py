@@ -3,7 +3,8 @@
 Creating a response is planned as a chat request (app/completions/plan.plan_chat): the same bounds, tools,
 grammar, rate limits and metering; errors that chat would name by its fields name the Responses fields.
 It runs through the same request lifecycle, rendered by app/responses/renderer.py.
-A continuation (`previous_response_id`) reads its chain from the store and, with truncation 'auto', drops
+A continuation (`previous_response_id`) reads its chain from the store (walking its predecessors; it is
+stored by reference to the one it continues) and, with truncation 'auto', drops
 its oldest turns until the prompt leaves room for the output (and, when stored, fits max_stored_kb).
 """
 
@@ -19,15 +20,18 @@ from app.completions.delivery import respond
 from app.completions.lifecycle import RequestLifecycle
 from app.completions.plan import RequestPlan, plan_chat
 from app.deps import ReaderDep, RequestIdDep, ServicesDep, TenantDep
-from app.errors import APIError, InvalidParameter, NotFound
+from app.errors import APIError, InvalidParameter, NotFound, StorageQuotaExceeded
+from app.files.store import FileStore
 from app.responses.conversation import PARAMS, Conversation, with_ids
 from app.responses.objects import ResponseObject
 from app.responses.renderer import ResponsesRenderer
 from app.responses.request import ResponseRequest
-from app.responses.store import ResponseStore, Stored
-from app.routes.guarded import TenantRoute
+from app.responses.store import MAX_DEPTH, ResponseStore, Stored
+from app.routes.guarded import TenantRoute, admits
 from app.services import Services
 from app.settings import Settings
+from app.storage import stored_bytes
+from deployments.engine.interface import Priority
 
 router = APIRouter(prefix="/v1", tags=["responses"], route_class=TenantRoute)
 
@@ -42,27 +46,58 @@ def _missing(response_id: str, param: str | None = None) -> NotFound:
 
 
 @router.post("/responses", response_model=None)
+@admits
 async def create_response(
     body: ResponseRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
 ) -> JSONResponse | StreamingResponse:
     try:
         return await _create(body, principal, services, request_id)
     except APIError as error:
-        error.param = PARAMS.get(error.param or "", error.param)
-        raise
+        raise responses_param(error) from None
+
+
+def responses_param(error: APIError) -> APIError:
+    """An error that names a chat field, renamed to the Responses field it came from."""
+    error.param = PARAMS.get(error.param or "", error.param)
+    return error
 
 
 async def _create(
     body: ResponseRequest, principal: Principal, services: Services, request_id: str
 ) -> JSONResponse | StreamingResponse:
+    life, renderer = await prepare(body, principal, services, request_id)
+    return await respond(life, renderer, stream=body.stream)
+
+
+async def prepare(
+    body: ResponseRequest,
+    principal: Principal,
+    services: Services,
+    request_id: str,
+    priority: Priority = "interactive",
+) -> tuple[RequestLifecycle, ResponsesRenderer]:
+    """The response's request, planned and ready to run (the route's, and a Batch API line's); errors name
+    chat's fields: `responses_param` renames them."""
     settings = services.settings
     if isinstance(body.input, list) and len(body.input) > settings.responses.max_input_items:
         message = f"input has {len(body.input):,} items; at most {settings.responses.max_input_items:,}"
         raise InvalidParameter(message, param="input", code="too_many_items")
+    target = await services.resolve(principal, body.model)
+    context_tokens = target.base.max_model_len
+    if body.max_output_tokens is not None and body.max_output_tokens >= context_tokens:
+        # Refused first: no prompt could leave it room, so no turn is read, dropped or templated for it.
+        message = (
+            f"max_output_tokens {body.max_output_tokens:,} leaves no room for a prompt in this model's "
+            f"context of {context_tokens:,} tokens."
+        )
+        raise InvalidParameter(message, param="max_output_tokens", code="context_length_exceeded")
     store = _store(services)
     context: list[dict[str, Any]] = []
+    previous: Stored | None = None
     if body.previous_response_id is not None:
-        previous = await run_in_threadpool(store.get, principal.tenant_id, body.previous_response_id)
+        previous = await run_in_threadpool(
+            store.get, principal.tenant_id, body.previous_response_id, None, True
+        )
         if previous is None:
             raise _missing(body.previous_response_id, "previous_response_id")
         context = previous.chain()
@@ -70,8 +105,24 @@ async def _create(
     conversation = await run_in_threadpool(
         _within_storage, settings, body, Conversation(context, with_ids(body.items()))
     )
+    if body.store and principal.max_stored_response_bytes is not None:
+        quota = principal.max_stored_response_bytes
+        files = services.file_store()
+        await run_in_threadpool(_within_quota, store, files, principal, quota, conversation, previous)
     chat_body = await run_in_threadpool(conversation.chat_request, body)
     plan = await plan_chat(chat_body, principal, services)
+    if body.truncation == "auto" and conversation.context and _overflows(plan, body):
+        # The chain is templated once whole, its items' text counted once, and the cut found by arithmetic;
+        # the cut conversation is templated once more (and one turn more dropped only if the estimate fell
+        # short). Dropping a turn at a time re-templated the whole chain for each.
+        own = await _own_prompt(conversation, body, principal, services)
+        excess = plan.longest_prompt + (body.max_output_tokens or 1) - context_tokens
+        cut = await run_in_threadpool(
+            conversation.cut_to_tokens, plan.longest_prompt, excess, own, plan.target.base.prompts.count
+        )
+        conversation = conversation.from_cut(cut)
+        chat_body = await run_in_threadpool(conversation.chat_request, body)
+        plan = await plan_chat(chat_body, principal, services)
     while body.truncation == "auto" and _overflows(plan, body):
         shorter = conversation.without_oldest_turn()
         if shorter is None:
@@ -79,15 +130,17 @@ async def _create(
         conversation = shorter
         chat_body = await run_in_threadpool(conversation.chat_request, body)
         plan = await plan_chat(chat_body, principal, services)
-    life = RequestLifecycle.begin(services, principal, plan, request_id, stream=body.stream)
+    stream = body.stream
+    life = RequestLifecycle.begin(services, principal, plan, request_id, stream=stream, priority=priority)
     renderer = ResponsesRenderer(
         _created(body, request_id),
-        plan.shape.tool_names,
+        plan.shape,
         tenant_id=principal.tenant_id,
         conversation=conversation,
         store=store,
+        previous=previous,
     )
-    return await respond(life, renderer, stream=body.stream)
+    return life, renderer
 
 
 def _overflows(plan: RequestPlan, body: ResponseRequest) -> bool:
@@ -95,22 +148,54 @@ def _overflows(plan: RequestPlan, body: ResponseRequest) -> bool:
     return plan.longest_prompt + (body.max_output_tokens or 1) > plan.target.base.max_model_len
 
 
+async def _own_prompt(
+    conversation: Conversation, body: ResponseRequest, principal: Principal, services: Services
+) -> int | None:
+    """Tokens of the prompt without the chain (instructions, tools, this request's items); None when the
+    template refuses them alone (a chain's turn cut estimates short without it, and the loop drops more)."""
+    own = Conversation([], conversation.items)
+    try:
+        chat_body = await run_in_threadpool(own.chat_request, body)
+        return (await plan_chat(chat_body, principal, services)).longest_prompt
+    except APIError:
+        return None
+
+
 def _within_storage(settings: Settings, body: ResponseRequest, conversation: Conversation) -> Conversation:
-    """A stored conversation is bounded (max_stored_kb): 'auto' drops old turns, 'disabled' is a 400."""
+    """A stored conversation is bounded (max_stored_kb): 'auto' drops old turns, 'disabled' is a 400.
+    Each item is serialised once and the cut found by arithmetic (Conversation.cut_to_size)."""
     if not body.store:
         return conversation
     limit = settings.responses.max_stored_kb * 1024
-    while conversation.size() > limit:
-        shorter = conversation.without_oldest_turn() if body.truncation == "auto" else None
-        if shorter is None:
-            message = (
-                f"This conversation would take more than {settings.responses.max_stored_kb:,} KB to store; "
-                "send truncation 'auto' to drop its oldest turns, store false, or start a new one."
-            )
-            param = "previous_response_id" if conversation.context else "input"
-            raise InvalidParameter(message, param=param, code="conversation_too_large")
-        conversation = shorter
-    return conversation
+    kept = conversation.cut_to_size(limit, drop=body.truncation == "auto")
+    if kept is not None:
+        return kept
+    message = (
+        f"This conversation would take more than {settings.responses.max_stored_kb:,} KB to store; "
+        "send truncation 'auto' to drop its oldest turns, store false, or start a new one."
+    )
+    param = "previous_response_id" if conversation.context else "input"
+    raise InvalidParameter(message, param=param, code="conversation_too_large")
+
+
+def _within_quota(
+    store: ResponseStore,
+    files: FileStore,
+    principal: Principal,
+    quota: int,
+    conversation: Conversation,
+    previous: Stored | None,
+) -> None:
+    """Refused before any work when the tenant's live stored responses and files (they share the quota)
+    and what this response will store would pass its tier's quota: its own items (a continuation refers to
+    its chain) or, when it stores its context itself, the whole conversation. The output is not known yet,
+    and concurrent requests each see the same total: a tenant may pass its quota by what its requests in
+    flight store, no more. Run in the thread pool (queries, and the items' size)."""
+    used = stored_bytes(store, files, principal.tenant_id).total
+    flattened = previous is None or previous.depth >= MAX_DEPTH
+    needed = (conversation if flattened else Conversation([], conversation.items)).size()
+    if used + needed > quota:
+        raise StorageQuotaExceeded(used=used, needed=needed, quota=quota, tier=principal.tier)
 
 
 def _created(body: ResponseRequest, request_id: str) -> ResponseObject:
@@ -143,6 +228,7 @@ def _created(body: ResponseRequest, request_id: str) -> ResponseObject:
         top_logprobs=body.top_logprobs or 0,  # echoed as OpenAI does; no-ops here (app/schemas/extensions.py)
         safety_identifier=body.safety_identifier,
         prompt_cache_key=body.prompt_cache_key,
+        reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning is not None else None,
     )
 
 

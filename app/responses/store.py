@@ -1,9 +1,21 @@
 """ResponseStore: stored responses in the platform database, always read and written by (tenant, id).
 
 Another tenant's id, an expired response and a deleted one all read as missing, so a 404 tells nothing
-about other tenants. Expired rows of a tenant are removed whenever it stores a new one; a disabled tenant's
-are removed with it (billing.repository.disable_tenant). Sessions are synchronous: callers run these in
-the thread pool.
+about other tenants.
+
+A continuation is stored by reference (issue 35): its row keeps its own input items and output and names
+its predecessor (`context_from`) and how many leading items of the predecessor's chain it dropped
+(`context_skip`, truncation); its chain is read by walking predecessors, one query per hop, at most
+MAX_DEPTH hops (a continuation that deep stores its context flattened, and the walk starts again from it).
+Storing one moves the expiry of every row its chain reads up to its own, so no link of a chain expires before
+the chain; deleting a response that a live stored response still continues keeps its row as a link
+(`deleted`: it reads as missing) until nothing continues it or it expires. So each item is stored once and
+`size_bytes` is each row's own bytes: the quota counts what is held.
+
+Expired rows read as missing at once and are deleted by `sweep`, which every ingress
+runs on a timer for all tenants (app/sweeper.py) in bounded batches; a disabled tenant's are
+removed with it (billing.repository.disable_tenant). Sessions are synchronous: callers run these in the
+thread pool.
 """
 
 import json
@@ -12,11 +24,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from app.settings import ResponsesConfig
 from billing.models import StoredResponse, utcnow
+
+MAX_DEPTH = 64  # hops a chain is read through: one query each
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,8 @@ class Stored:
     context: list[dict[str, Any]]
     input_items: list[dict[str, Any]]
     body: dict[str, Any]
+    depth: int = 0  # hops from it to a row holding its context itself
+    links: tuple[str, ...] = ()  # the rows its chain was read from, itself first (read with chain=True)
 
     def chain(self) -> list[dict[str, Any]]:
         """The conversation a continuation of this response starts from: its context, input and output."""
@@ -38,18 +54,30 @@ class ResponseStore:
         self.sessions = sessions
         self.config = config
 
-    def get(self, tenant_id: str, response_id: str, now: datetime | None = None) -> Stored | None:
+    def get(
+        self, tenant_id: str, response_id: str, now: datetime | None = None, chain: bool = False
+    ) -> Stored | None:
+        """The response, or None when missing, expired or deleted. With `chain`, its context is read through
+        its predecessors (what a continuation needs; None if a link is gone); without, it is the row's own
+        (empty when stored by reference: retrieval and input_items do not read it)."""
+        now = now or utcnow()
         with self.sessions() as s:
-            row = s.scalar(
-                select(StoredResponse).where(
-                    StoredResponse.id == response_id,
-                    StoredResponse.tenant_id == tenant_id,
-                    StoredResponse.expires_at > (now or utcnow()),
-                )
-            )
+            row = s.scalar(_live(tenant_id, response_id, now).where(StoredResponse.deleted.is_(False)))
             if row is None:
                 return None
-            return Stored(row.id, row.context, row.input_items, row.body)
+            if not chain:
+                return Stored(row.id, row.context, row.input_items, row.body, row.depth, (row.id,))
+            rows = [row]
+            while (previous := rows[-1].context_from) is not None:
+                link = s.scalar(_live(tenant_id, previous, now)) if len(rows) <= MAX_DEPTH else None
+                if link is None:
+                    return None  # a link expired or went (not by this store's writes): nothing to continue
+                rows.append(link)
+            context: list[dict[str, Any]] = []
+            for link in reversed(rows[1:]):
+                context = [*context[link.context_skip :], *link.context, *link.input_items, *_output(link)]
+            context = [*context[row.context_skip :], *row.context]
+            return Stored(row.id, context, row.input_items, row.body, row.depth, tuple(r.id for r in rows))
 
     def save(
         self,
@@ -57,39 +85,139 @@ class ResponseStore:
         body: dict[str, Any],
         context: list[dict[str, Any]],
         input_items: list[dict[str, Any]],
+        previous: Stored | None = None,
     ) -> None:
+        """Stores the response; `context` is the conversation before its input, a suffix of `previous`'s
+        chain when it continues one (read with chain=True). Then the row refers to `previous` and keeps only
+        its own items, unless the chain is MAX_DEPTH deep or `previous` went meanwhile: then it keeps its
+        context itself."""
         now = utcnow()
-        size = sum(len(json.dumps(v, separators=(",", ":"))) for v in (body, context, input_items))
+        expires = now + timedelta(days=self.config.retention_days)
         with self.sessions() as s, s.begin():
-            s.execute(
-                delete(StoredResponse).where(
-                    StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at <= now
-                )
-            )
+            link = previous if previous is not None and context and previous.depth < MAX_DEPTH else None
+            # Every link lives as long as this row; the predecessor's update also tells it is still there
+            # (and, on PostgreSQL, holds it against a concurrent delete until this row is committed).
+            if link is not None and _keep_until(s, tenant_id, [link.id], now, expires) == 1:
+                _keep_until(s, tenant_id, list(link.links[1:]), now, expires)
+            else:
+                link = None
+            own = [] if link is not None else context
+            size = sum(len(json.dumps(v, separators=(",", ":"))) for v in (body, own, input_items))
             s.add(
                 StoredResponse(
                     id=body["id"],
                     tenant_id=tenant_id,
                     model=body["model"],
                     previous_response_id=body.get("previous_response_id"),
-                    context=context,
+                    context=own,
+                    context_from=link.id if link is not None else None,
+                    context_skip=len(link.chain()) - len(context) if link is not None else 0,
+                    depth=link.depth + 1 if link is not None else 0,
+                    deleted=False,
                     input_items=input_items,
                     body=body,
                     size_bytes=size,
                     created_at=now,
-                    expires_at=now + timedelta(days=self.config.retention_days),
+                    expires_at=expires,
                 )
             )
 
+    def stored_bytes(self, tenant_id: str, now: datetime | None = None) -> int:
+        """What the tenant's live stored responses take (their size_bytes): what its quota is read against."""
+        with self.sessions() as s:
+            total = s.scalar(
+                select(func.coalesce(func.sum(StoredResponse.size_bytes), 0)).where(
+                    StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at > (now or utcnow())
+                )
+            )
+            return int(total or 0)
+
     def delete(self, tenant_id: str, response_id: str) -> bool:
-        """Whether there was such a response (expired ones are gone already)."""
+        """Whether there was such a response (expired and deleted ones are gone already). One that a live
+        stored response continues is kept as a link of its chain, marked deleted; one nothing continues is
+        removed, and so is each deleted link up its chain that nothing else continues."""
         now = utcnow()
         with self.sessions() as s, s.begin():
-            result = s.execute(
-                delete(StoredResponse).where(
+            marked = s.execute(
+                update(StoredResponse)
+                .where(
                     StoredResponse.id == response_id,
                     StoredResponse.tenant_id == tenant_id,
                     StoredResponse.expires_at > now,
+                    StoredResponse.deleted.is_(False),
                 )
+                .values(deleted=True)
             )
-            return bool(getattr(result, "rowcount", 0))
+            if not getattr(marked, "rowcount", 0):
+                return False
+            current: str | None = response_id
+            for _ in range(MAX_DEPTH + 1):
+                row = s.scalar(
+                    select(StoredResponse).where(
+                        StoredResponse.id == current,
+                        StoredResponse.tenant_id == tenant_id,
+                        StoredResponse.deleted.is_(True),
+                    )
+                )
+                continued = select(StoredResponse.id).where(
+                    StoredResponse.context_from == current,
+                    StoredResponse.tenant_id == tenant_id,
+                    StoredResponse.expires_at > now,
+                )
+                if row is None or s.scalar(continued.limit(1)) is not None:
+                    break
+                current = row.context_from
+                s.delete(row)
+                s.flush()
+                if current is None:
+                    break
+            return True
+
+    def sweep(self, now: datetime | None = None, batch: int = 500, max_batches: int = 20) -> int:
+        """Delete expired rows of every tenant, `batch` at a time (one short transaction each, so no long lock
+        and no huge statement), at most `max_batches` per call (the next call goes on); returns how many."""
+        now = now or utcnow()
+        deleted = 0
+        for _ in range(max_batches):
+            with self.sessions() as s, s.begin():
+                ids = list(
+                    s.scalars(select(StoredResponse.id).where(StoredResponse.expires_at <= now).limit(batch))
+                )
+                if ids:
+                    s.execute(
+                        delete(StoredResponse).where(
+                            StoredResponse.id.in_(ids), StoredResponse.expires_at <= now
+                        )
+                    )
+            deleted += len(ids)
+            if len(ids) < batch:
+                break
+        return deleted
+
+
+def _live(tenant_id: str, response_id: str, now: datetime) -> Any:
+    return select(StoredResponse).where(
+        StoredResponse.id == response_id,
+        StoredResponse.tenant_id == tenant_id,
+        StoredResponse.expires_at > now,
+    )
+
+
+def _output(row: StoredResponse) -> list[dict[str, Any]]:
+    return list(row.body.get("output", []))
+
+
+def _keep_until(s: Session, tenant_id: str, ids: list[str], now: datetime, expires: datetime) -> int:
+    """Moves the live rows' expiry up to `expires` (never down); how many rows there were."""
+    if not ids:
+        return 0
+    result = s.execute(
+        update(StoredResponse)
+        .where(
+            StoredResponse.id.in_(ids), StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at > now
+        )
+        .values(
+            expires_at=case((StoredResponse.expires_at < expires, expires), else_=StoredResponse.expires_at)
+        )
+    )
+    return int(getattr(result, "rowcount", 0) or 0)

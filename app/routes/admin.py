@@ -74,8 +74,8 @@ def get_tier(name: str, _: AdminDep, services: ServicesDep) -> TierOut:
 @router.patch("/tiers/{name}")
 def update_tier(name: str, body: TierUpdate, _: AdminDep, services: ServicesDep) -> TierOut:
     """Changes the fields given (a limit given as null becomes unlimited); tenants on the tier see the new
-    limits within the auth cache's TTL. New prices apply to every bill computed afterwards, past periods
-    included: bills use the tier's current prices."""
+    limits within the auth cache's TTL. New prices apply from now on: what was settled keeps its cost, and
+    bills show the settled costs."""
     with _tier_errors(), services.session_factory() as session, session.begin():
         return TierOut.model_validate(repository.update_tier(session, name=name, **body.changes()))
 
@@ -127,7 +127,8 @@ def update_tenant(tenant_id: str, body: TenantUpdate, _: AdminDep, services: Ser
 
 @router.delete("/tenants/{tenant_id}")
 def disable_tenant(tenant_id: str, _: AdminDep, services: ServicesDep) -> TenantOut:
-    """Disables the tenant and revokes its keys; its rows and usage history stay."""
+    """Disables the tenant and revokes its keys; its stored responses and files go, its other rows and
+    usage history stay."""
     with services.session_factory() as session, session.begin():
         return _tenant_out(session, repository.disable_tenant(session, tenant_id=tenant_id))
 

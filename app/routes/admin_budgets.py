@@ -1,20 +1,22 @@
 """Admin API for money (issue 29): a tenant's prepaid credit (an append-only ledger) and spend limits.
 
 Each change is written to the database first (the truth), then told to the shared budget backend: a
-top-up as a versioned delta (counted once, however the backend was loaded), new limits as they are. A
+top-up as a versioned delta (counted once, in whatever order notices arrive), new limits as they are. A
 backend that cannot be told loads the tenant afresh later; until then it errs towards refusing.
 """
 
 import logging
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Request, status
 from starlette.concurrency import run_in_threadpool
 
 from app.budgets.view import budget_out
 from app.deps import AdminDep, ServicesDep
 from app.errors import InvalidParameter
+from app.middleware import request_id_of
 from app.routes.guarded import AdminRoute
 from app.schemas.budgets import BudgetOut, BudgetsSet, CreditCreate, CreditEntryOut
+from app.surfaces import surface_of
 from billing import credit
 from billing.micros import to_micros
 
@@ -24,17 +26,23 @@ router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
 
 @router.post("/tenants/{tenant_id}/credit", status_code=status.HTTP_201_CREATED)
 async def add_credit(
-    tenant_id: str, body: CreditCreate, _: AdminDep, services: ServicesDep
+    tenant_id: str, body: CreditCreate, request: Request, _: AdminDep, services: ServicesDep
 ) -> CreditEntryOut:
-    """Append a top-up or adjustment to the tenant's credit ledger; the tenant becomes prepaid."""
+    """Append a top-up or adjustment to the tenant's credit ledger. The first credit granted makes the
+    tenant prepaid from that hour on (earlier usage stays invoiced); a postpaid tenant cannot be adjusted
+    below zero (400 tenant_not_prepaid). The entry records the request's id and surface beside the
+    `actor` the body names."""
+    request_id = request_id_of(request.scope["state"])
+    surface = surface_of(request.headers.get("user-agent", ""))
 
     def write() -> tuple[CreditEntryOut, int]:
         with services.session_factory() as session, session.begin():
             try:
                 entry = credit.add_credit(session, tenant_id=tenant_id, amount=body.amount, kind=body.kind,
-                                          reason=body.reason, actor=body.actor)  # fmt: skip
+                                          reason=body.reason, actor=body.actor, request_id=request_id,
+                                          surface=surface)  # fmt: skip
             except credit.InvalidAmount as error:
-                raise InvalidParameter(str(error), param="amount", code="invalid_amount") from None
+                raise InvalidParameter(str(error), param="amount", code=error.code) from None
             return CreditEntryOut.model_validate(entry), credit.credit_version(session, tenant_id=tenant_id)
 
     entry, version = await run_in_threadpool(write)

@@ -10,7 +10,7 @@ from app.completions.delivery import respond
 from app.completions.lifecycle import RequestLifecycle
 from app.completions.plan import plan_chat, plan_completion
 from app.deps import RequestIdDep, ServicesDep, TenantDep
-from app.routes.guarded import TenantRoute
+from app.routes.guarded import TenantRoute, admits
 from app.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 router = APIRouter(prefix="/v1", tags=["inference"], route_class=TenantRoute)
@@ -25,6 +25,7 @@ def _usage_options(body: SamplingFields) -> dict[str, bool]:
 
 
 @router.post("/chat/completions", response_model=None)
+@admits
 async def chat_completions(
     body: ChatCompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
 ) -> JSONResponse | StreamingResponse:
@@ -35,6 +36,7 @@ async def chat_completions(
 
 
 @router.post("/completions", response_model=None)
+@admits
 async def completions(
     body: CompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
 ) -> JSONResponse | StreamingResponse:

@@ -4,10 +4,13 @@ FastAPI parses the body before it solves dependencies, so with auth as a plain d
 without credentials would be told about malformed JSON or schema problems (400) instead of getting 401.
 These routes check credentials first and leave the result on `request.state` for the dependencies.
 A tenant request refused for its own input still counts against the tenant's requests per minute.
+A route marked `@admits` (one that runs an engine request through admission) answers a tenant refused
+for its requests per minute a moment ago with that 429 before its body is read or parsed, and without
+asking the limiter (app/limits/refusal_cache.py).
 """
 
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -15,18 +18,28 @@ from fastapi.routing import APIRoute
 
 from app import log_context
 from app.auth.client_address import client_of
-from app.completions.admission import Admission
+from app.completions.admission import Admission, refused_before_parsing
 from app.errors import APIError
 from app.middleware import request_id_of
 
 REFUSED_FOR_INPUT = {400, 404, 422}  # the request itself was wrong: it still counts against RPM
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
+_ADMITS = "_loraplex_admits"
+
+
+def admits(endpoint: Endpoint) -> Endpoint:
+    """Marks a TenantRoute endpoint that admits an engine request (chat, completions, responses): a tenant
+    over its requests per minute is refused before its body is parsed. Reads stay free of it."""
+    setattr(endpoint, _ADMITS, True)
+    return endpoint
 
 
 class TenantRoute(APIRoute):
     def get_route_handler(self) -> Handler:
         handler = super().get_route_handler()
+        admitting = bool(getattr(self.endpoint, _ADMITS, False))
 
         async def authenticated(request: Request) -> Response:
             services = request.app.state.services
@@ -37,6 +50,15 @@ class TenantRoute(APIRoute):
             request.state.principal = principal
             # Not reset here: a streamed body is sent after this returns. The middleware's reset ends it.
             log_context.bind(tenant=principal.tenant_id)
+            if admitting:  # before the body is read: FastAPI parses it inside `handler`
+                refused = refused_before_parsing(
+                    services.refusals,
+                    tenant=principal.tenant_id,
+                    tier=principal.tier,
+                    limits=principal.limits,
+                )
+                if refused is not None:
+                    raise refused
             try:
                 return await handler(request)
             except (RequestValidationError, APIError) as error:
@@ -46,6 +68,7 @@ class TenantRoute(APIRoute):
                         tenant=principal.tenant_id,
                         request_id=f"{request_id_of(request.scope['state'])}.refused",
                         limits=principal.limits,
+                        refusals=services.refusals,
                     )
                 raise
 

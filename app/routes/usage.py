@@ -1,5 +1,5 @@
-"""Usage and bills: GET /v1/usage (a tenant's own usage), GET /admin/usage (any tenant's, or all) and
-GET /admin/tenants/{id}/bill.
+"""Usage and bills: GET /v1/usage (a tenant's own usage and storage), GET /admin/usage (any tenant's,
+or all) and GET /admin/tenants/{id}/bill.
 
 Usage is live (aggregated from the usage events as they are recorded); a bill is made of hourly rollups
 (billing.pricing). Database work is synchronous, so these are plain `def` routes run in the thread pool.
@@ -12,8 +12,10 @@ from fastapi import APIRouter, Query
 
 from app.deps import AdminDep, ReaderDep, ServicesDep
 from app.errors import InvalidParameter, NotFound
+from app.responses.store import ResponseStore
 from app.routes.guarded import AdminRoute, TenantRoute
-from app.schemas.usage import BillOut, UsageList, UsageRowOut
+from app.schemas.usage import BillOut, StorageOut, UsageList, UsageRowOut
+from app.storage import stored_bytes
 from billing import pricing, repository
 from billing.errors import TenantNotFound
 from billing.usage_queries import GroupBy, usage
@@ -27,7 +29,10 @@ Start = Annotated[
     datetime, Query(description="Start of the period (ISO 8601, inclusive); without an offset: UTC.")
 ]
 End = Annotated[datetime, Query(description="End of the period (ISO 8601, exclusive); after start.")]
-GroupByQuery = Annotated[GroupBy, Query(description="hour, adapter (within base model), or model.")]
+GroupByQuery = Annotated[
+    GroupBy,
+    Query(description="hour, adapter (within base model), model, or batch (interactive: batch_id null)."),
+]
 
 
 def _utc(moment: datetime, param: str) -> datetime:
@@ -53,12 +58,20 @@ def tenant_usage(
     principal: ReaderDep, services: ServicesDep, start: Start, end: End, group_by: GroupByQuery = "hour"
 ) -> UsageList:
     """The calling tenant's own usage in [start, end), live: requests and tokens as soon as they are
-    recorded. Never another tenant's: the tenant comes from the API key alone."""
+    recorded, and the bytes its stored responses and files take now against its tier's quota. Never another
+    tenant's: the tenant comes from the API key alone."""
     start, end = usage_period(start, end)
     with services.session_factory() as session:
         rows = usage(session, tenant_id=principal.tenant_id, start=start, end=end, group_by=group_by)
     data = [UsageRowOut.model_validate(row) for row in rows]
-    return UsageList(start=start, end=end, group_by=group_by, data=data)
+    responses = ResponseStore(services.session_factory, services.settings.responses)
+    stored = stored_bytes(responses, services.file_store(), principal.tenant_id)
+    storage = StorageOut(
+        stored_response_bytes=stored.responses,
+        file_bytes=stored.files,
+        max_stored_response_bytes=principal.max_stored_response_bytes,
+    )
+    return UsageList(start=start, end=end, group_by=group_by, data=data, storage=storage)
 
 
 @admin_router.get("/usage")
@@ -91,8 +104,10 @@ def tenant_bill(
     start: Annotated[datetime, Query(description="First hour billed (a whole UTC hour, inclusive).")],
     end: Annotated[datetime, Query(description="End of the period (a whole UTC hour, exclusive).")],
 ) -> BillOut:
-    """The tenant's bill for the rolled-up hours in [start, end), at its tier's current prices; amounts
-    are decimal strings with 6 decimals. Hours not rolled up yet (the current one) are not in it."""
+    """The tenant's bill for the rolled-up hours in [start, end), at the costs settled for them (what the
+    Stripe cost meter was sent: a later price change does not reprice it); amounts are decimal strings with
+    6 decimals. Hours not rolled up yet (the current one) are not in it. A period whose usage was settled
+    in two currencies is a 400 naming `end`."""
     start, end = _utc(start, "start"), _utc(end, "end")
     try:
         with services.session_factory() as session:

@@ -8,7 +8,14 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from app.limits import Limits
 from billing.models import Tenant
-from billing.repository import LIMIT_MAX, MAX_QUEUE_MS, PRICE_DECIMALS, PRICE_MAX_DIGITS, PRICE_STEP
+from billing.repository import (
+    LIMIT_MAX,
+    MAX_QUEUE_MS,
+    MAX_WEIGHT,
+    PRICE_DECIMALS,
+    PRICE_MAX_DIGITS,
+    PRICE_STEP,
+)
 
 # Limits: positive integers, JSON integers only (no "5", 5.0 or true); null means unlimited.
 Rpm = Annotated[int, Field(strict=True, ge=1, le=LIMIT_MAX["rpm"], description="Requests per minute.")]
@@ -31,6 +38,32 @@ MaxTokensCap = Annotated[
     ),
 ]
 OnLimit = Literal["reject", "queue"]
+StoredBytes = Annotated[
+    int,
+    Field(
+        strict=True,
+        ge=1,
+        le=LIMIT_MAX["max_stored_response_bytes"],
+        description=(
+            "The most each of the tier's tenants may keep in stored responses (store: true), in bytes of "
+            "stored JSON over its live responses; past it, storing is refused (403 storage_quota_exceeded) "
+            "and store: false still works. Null: no bound."
+        ),
+    ),
+]
+Weight = Annotated[
+    float,
+    Field(
+        strict=True,
+        gt=0,
+        le=MAX_WEIGHT,
+        allow_inf_nan=False,
+        description=(
+            "The tier's tenants' share of an engine replica while requests wait, against other tenants': "
+            "a tenant of weight 2 is served about twice what a tenant of weight 1 is. Default 1."
+        ),
+    ),
+]
 QueueMs = Annotated[
     int,
     Field(
@@ -61,6 +94,16 @@ PriceCachedInput = Annotated[
 ]
 PriceOutput = Annotated[Decimal, Field(**_PRICE, description="Price per million output tokens.")]
 PriceGpuSecond = Annotated[Decimal, Field(**_PRICE, description="Price per GPU-second of engine time.")]
+BatchPriceFactor = Annotated[
+    Decimal,
+    Field(
+        ge=0,
+        le=1,
+        max_digits=5,
+        decimal_places=4,
+        description="A Batch API line's cost is its price times this, 0 to 1 (default 0.5: half price).",
+    ),
+]
 Currency = Annotated[
     str, Field(pattern=r"^[A-Za-z]{3}$", description="ISO 4217 code, stored lowercase (e.g. usd).")
 ]
@@ -72,6 +115,10 @@ def decimal_string(value: Decimal) -> str:
 
 
 DecimalString = Annotated[Decimal, PlainSerializer(decimal_string, return_type=str)]
+FactorString = Annotated[
+    Decimal,
+    PlainSerializer(lambda value: format(Decimal(value).quantize(Decimal("0.0001")), "f"), return_type=str),
+]
 StripeCustomer = Annotated[
     str,
     Field(
@@ -119,6 +166,9 @@ class TierCreate(_Body):
     price_output_per_mtok: PriceOutput = Decimal(0)
     price_gpu_per_second: PriceGpuSecond = Decimal(0)
     currency: Currency = "usd"
+    weight: Weight = 1.0
+    max_stored_response_bytes: StoredBytes | None = None
+    batch_price_factor: BatchPriceFactor = Decimal("0.5")
 
 
 class TierUpdate(_Body):
@@ -136,6 +186,9 @@ class TierUpdate(_Body):
     price_output_per_mtok: PriceOutput = Decimal(0)
     price_gpu_per_second: PriceGpuSecond = Decimal(0)
     currency: Currency = "usd"
+    weight: Weight = 1.0
+    max_stored_response_bytes: StoredBytes | None = None
+    batch_price_factor: BatchPriceFactor = Decimal("0.5")
 
 
 class TierOut(BaseModel):
@@ -155,6 +208,13 @@ class TierOut(BaseModel):
     price_output_per_mtok: DecimalString = Field(description="Per million output tokens.")
     price_gpu_per_second: DecimalString = Field(description="Per GPU-second.")
     currency: str
+    weight: float = Field(description="The tier's share of an engine replica while requests wait.")
+    max_stored_response_bytes: int | None = Field(
+        description="Each tenant's quota of stored responses, in bytes; null: no bound."
+    )
+    batch_price_factor: FactorString = Field(
+        description='A Batch API line\'s cost is its price times this, e.g. "0.5000".'
+    )
     created_at: datetime
 
 

@@ -33,8 +33,12 @@ class CreditEntryOut(BaseModel):
     currency: str
     kind: str
     reason: str
-    actor: str
+    actor: str = Field(description="Who, as the request said.")
     created_at: datetime
+    request_id: str | None = Field(description="The request that wrote it (null: written directly).")
+    surface: Literal["admin_api", "cli"] | None = Field(
+        description="admin_api, or cli (the CLI through the admin API); null: written directly."
+    )
 
 
 class SpendLimitIn(BaseModel):

@@ -81,30 +81,46 @@ class ClientDefaults(BaseModel):
     )
 
 
+# OpenAI's reasoning efforts. A thinking model (its chat template renders thinking) thinks for any but
+# "none"; our models have no effort scale, so the others all mean "think". Models without thinking refuse
+# all but "none" (app/completions/reasoning.py: thinking_switch).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's `chat_template_kwargs`, as far as they are served: only `enable_thinking` (any other key would
+    reach the template unchecked, so it is a 400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable_thinking: StrictBool | None = Field(
+        default=None,
+        description="Qwen3's switch: false renders the prompt without thinking; true (the template's own "
+        "default) lets the model think. Only for models whose chat template thinks.",
+    )
+
+
 class ChatClientDefaults(ClientDefaults):
     """What chat clients add: `store` and `metadata` (kept by OpenAI for its dashboards) and a reasoning
-    effort, which the served models cannot honour except by its absence."""
+    effort, honoured by thinking models as on/off (refused by the others unless "none")."""
 
     store: StrictBool | None = Field(default=None, description="No-op: chat completions are never stored.")
     metadata: Metadata | None = Field(
         default=None, max_length=MAX_METADATA, description="No-op: accepted, not stored (16 entries at most)."
     )
-    reasoning_effort: None = Field(
-        default=None, description="Only null: the served models do not reason, so no effort can be set."
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None,
+        description="For a thinking model: 'none' turns thinking off, any other effort on (there is no "
+        "scale between). Other models refuse all but 'none'.",
     )
     modalities: list[Literal["text"]] | None = Field(
         default=None, max_length=1, description="Only ['text']: the served models produce text."
     )
 
-    @field_validator("reasoning_effort", mode="before")
-    @classmethod
-    def _no_effort(cls, value: Any) -> None:
-        if value is not None:
-            raise ValueError("the served models do not reason; leave reasoning_effort out")
-
 
 # What `include` may ask for; each names an item the platform never produces (no built-in tools, image
-# inputs or reasoning), so asking is a no-op. Logprobs would be a silent drop, so they are refused.
+# inputs, or encrypted reasoning: reasoning text is returned as is), so asking is a no-op. Logprobs would be
+# a silent drop, so they are refused.
 Includable = Literal[
     "file_search_call.results",
     "web_search_call.results",
@@ -118,21 +134,20 @@ Includable = Literal[
 MAX_INCLUDE = 16
 
 
+SummaryMode = Literal["auto", "concise", "detailed"]
+
+
 class Reasoning(BaseModel):
-    """A reasoning setting that asks for no reasoning (what the Agents SDK may pass through)."""
+    """The Responses API's reasoning setting: `effort` as chat's reasoning_effort. A thinking model's
+    reasoning item carries its reasoning text whole (`content`); no summary is written (`summary` stays
+    empty), so asking for one is accepted and changes nothing. Models without thinking refuse effort and
+    summary but "none"/null."""
 
     model_config = ConfigDict(extra="forbid")
 
-    effort: Literal["none"] | None = None
-    summary: None = None
-    generate_summary: None = None
-
-    @field_validator("effort", "summary", "generate_summary", mode="before")
-    @classmethod
-    def _no_reasoning(cls, value: Any) -> Any:
-        if value not in (None, "none"):
-            raise ValueError("the served models do not reason; leave reasoning effort and summary out")
-        return value
+    effort: ReasoningEffort | None = None
+    summary: SummaryMode | None = None
+    generate_summary: SummaryMode | None = None  # deprecated spelling of summary
 
 
 class ResponsesClientDefaults(ClientDefaults):
@@ -149,7 +164,7 @@ class ResponsesClientDefaults(ClientDefaults):
         default=None, description="No-op: logprobs are returned only when included, which is refused."
     )
     reasoning: Reasoning | None = Field(
-        default=None, description="Only without effort or summary: the served models do not reason."
+        default=None, description="Thinking on or off for a thinking model (effort); see Reasoning."
     )
 
     @field_validator("include")

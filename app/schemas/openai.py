@@ -18,7 +18,13 @@ from pydantic import (
     model_validator,
 )
 
-from app.schemas.extensions import MAX_TOKENS_BOUND, ChatClientDefaults, ClientDefaults, VllmSampling
+from app.schemas.extensions import (
+    MAX_TOKENS_BOUND,
+    ChatClientDefaults,
+    ChatTemplateKwargs,
+    ClientDefaults,
+    VllmSampling,
+)
 from deployments.engine.interface import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 MAX_STOP = 4  # as OpenAI
@@ -33,6 +39,8 @@ ToolName = Annotated[str, Field(pattern=NAME_PATTERN)]
 Id = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_PROMPT_TOKENS = MAX_TOKENS_BOUND  # token ids in one prompt (the model's context refuses fewer)
 MAX_PROMPTS = 4096  # prompts in one /v1/completions list (Settings.max_prompts, 64 by default, allows fewer)
+MAX_MESSAGES = 4096  # chat messages in one request (Settings.max_messages, 1024 by default, allows fewer)
+MAX_INPUT_ITEMS = 4096  # items in one /v1/responses input (Settings.responses.max_input_items allows fewer)
 StopString = Annotated[str, Field(max_length=1024)]  # echoed back in errors and logs: bounded
 
 
@@ -52,6 +60,14 @@ class StreamOptions(_Request):
 class TextPart(_Request):
     type: Literal["text"]
     text: str
+
+
+def count_items(param: str, value: Any, bound: int) -> Any:
+    """A list's length checked before any of its items is validated: a list past the schema's bound is
+    refused at the cost of len(), one error naming the field (validating 63k messages took 0.55 s)."""
+    if isinstance(value, list | tuple) and len(value) > bound:
+        raise ValueError(f"{param} has {len(value):,} items; at most {bound:,} are accepted")
+    return value
 
 
 def _compact(schema: Any) -> str:
@@ -87,6 +103,11 @@ class ChatMessage(_Request):
         default=None, max_length=MAX_TOOLS, description="An assistant's calls (role assistant only)."
     )
     tool_call_id: Id | None = Field(default=None, description="The call a tool message answers.")
+    reasoning_content: str | None = Field(
+        default=None,
+        description="An assistant's reasoning as a thinking model returned it, sent back (vLLM's field): "
+        "accepted and not rendered, as Qwen3's template drops past turns' thinking.",
+    )
 
     @field_validator("tool_calls")
     @classmethod
@@ -225,7 +246,7 @@ class SamplingFields(VllmSampling, ClientDefaults, _Request):
 
 
 class ChatCompletionRequest(SamplingFields, ChatClientDefaults):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -233,6 +254,9 @@ class ChatCompletionRequest(SamplingFields, ChatClientDefaults):
     parallel_tool_calls: StrictBool = True
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        default=None, description="vLLM's: arguments for the chat template (enable_thinking only)."
+    )
 
     @field_validator("tools")
     @classmethod
@@ -248,6 +272,11 @@ class ChatCompletionRequest(SamplingFields, ChatClientDefaults):
                 f"the tools have {size:,} characters as JSON; at most {MAX_TOOLS_SCHEMA_CHARS:,}"
             )
         return value
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_counted_first(cls, value: Any) -> Any:
+        return count_items("messages", value, MAX_MESSAGES)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -362,11 +391,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Present for thinking models: the completion's tokens up to the end of its reasoning.
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class TopLogprob(BaseModel):
@@ -405,6 +442,8 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # vLLM's field for a thinking model's reasoning; absent for other models.
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[ToolCallOut] | None = None
     refusal: None = None
 
@@ -449,6 +488,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -24,11 +24,32 @@ class UsageRowOut(BaseModel):
     base_model: str | None = Field(description="Grouped by model or adapter: the base model.")
     adapter_id: str | None = Field(description="Grouped by adapter: its id; null for the base model itself.")
     adapter: str | None = Field(description='Grouped by adapter: its name, or "base" for no adapter.')
+    batch_id: str | None = Field(
+        default=None, description="Grouped by batch: the Batch API batch's id; null for interactive requests."
+    )
     requests: int
     prompt_tokens: int = Field(description="Prompt tokens, cached ones included.")
     cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
     completion_tokens: int
     gpu_ms: float = Field(description="Engine GPU time, in milliseconds.")
+
+
+class StorageOut(BaseModel):
+    """What the tenant keeps stored now, against its tier's quota (issue 35; files too, issue 37)."""
+
+    object: Literal["usage.storage"] = "usage.storage"
+    stored_response_bytes: int = Field(
+        description="Bytes of the tenant's live stored responses (their size_bytes, each item counted once), "
+        "what its tier's quota is read against; now, not within the period."
+    )
+    file_bytes: int = Field(
+        default=0,
+        description="Bytes of the tenant's live files (the Files API), counted with its stored responses "
+        "against the same quota.",
+    )
+    max_stored_response_bytes: int | None = Field(
+        description="The tier's quota of stored bytes (stored responses and files together); null: no bound."
+    )
 
 
 class UsageList(BaseModel):
@@ -37,10 +58,13 @@ class UsageList(BaseModel):
     end: datetime
     group_by: GroupBy
     data: list[UsageRowOut]
+    storage: StorageOut | None = Field(
+        default=None, description="GET /v1/usage: the calling tenant's storage now; null on /admin/usage."
+    )
 
 
 class PricesOut(BaseModel):
-    """The tier's prices the bill was computed with (its current ones)."""
+    """The tier's current prices, for reference: a bill's lines are at the costs settled for them."""
 
     model_config = ConfigDict(from_attributes=True)
 
@@ -58,6 +82,7 @@ class BillLineOut(BaseModel):
     base_model: str
     adapter_id: str | None = Field(description="null: the base model without an adapter.")
     adapter: str = Field(description='The adapter\'s name, or "base".')
+    currency: str = Field(description='The currency its usage was settled in ("xxx": no price covered it).')
     requests: int
     input_tokens: int = Field(description="Prompt tokens minus cached ones.")
     cached_input_tokens: int
@@ -67,7 +92,11 @@ class BillLineOut(BaseModel):
     cached_input_cost: DecimalString
     output_cost: DecimalString
     gpu_cost: DecimalString
-    total: DecimalString
+    adjustment: DecimalString = Field(
+        description="The total less the four parts: the parts split the settled total at the prices in force "
+        "at each hour's start; each request was rounded, and priced, on its own when it settled."
+    )
+    total: DecimalString = Field(description="What was settled for it, and exported to Stripe's cost meter.")
 
 
 class BillTotalsOut(BaseModel):
@@ -82,12 +111,15 @@ class BillTotalsOut(BaseModel):
     cached_input_cost: DecimalString
     output_cost: DecimalString
     gpu_cost: DecimalString
+    adjustment: DecimalString
     total: DecimalString
 
 
 class BillOut(BaseModel):
-    """A tenant's bill for the rolled-up hours in [start, end), at its tier's current prices. Each cost is
-    rounded once to 6 decimals (half to even); totals are sums of the lines."""
+    """A tenant's bill for the rolled-up hours in [start, end), at the costs settled for them (a price
+    change never reprices it; it equals what Stripe's cost meter was sent). Amounts have 6 decimals; each
+    line's total is its parts plus its adjustment, and totals are sums of the lines. `prices` are the
+    tier's current prices, for reference."""
 
     model_config = ConfigDict(from_attributes=True)
 

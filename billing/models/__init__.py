@@ -5,6 +5,7 @@
 - adapter: the adapter registry (Adapter, AdapterVersion, PUBLIC_OWNER);
 - usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport;
 - stored_response: StoredResponse (the Responses API's stored responses).
+- stored_file: StoredFile (the Files API);  batch: Batch;  batch_line: BatchLine (the Batch API, issue 37).
 
 - credit: CreditEntry, SpendLimit, BudgetEvent (issue 29);  price: PriceChange (effective-dated prices).
 
@@ -28,25 +29,37 @@ from billing.models.stripe_export import StripeExport
 from billing.models.engine_report import EngineReport
 from billing.models.stored_response import StoredResponse
 
-from billing.models.credit import PERIODS, BudgetEvent, CreditEntry, SpendLimit
+from billing.models.credit import PERIODS, SURFACES, BudgetEvent, CreditEntry, SpendLimit
 from billing.models.price import PriceChange
+from billing.models.stored_file import FILE_PURPOSES, StoredFile
+from billing.models.batch import ACTIVE_BATCH_STATUSES, BATCH_ENDPOINTS, BATCH_STATUSES, Batch
+from billing.models.batch_line import LINE_STATES, BatchLine
 # isort: on
 
 __all__ = [
+    "ACTIVE_BATCH_STATUSES",
     "BASE_ADAPTER_KEY",
+    "BATCH_ENDPOINTS",
+    "BATCH_STATUSES",
+    "FILE_PURPOSES",
     "LIMIT_FIELDS",
+    "LINE_STATES",
     "NAMING_CONVENTION",
     "PERIODS",
     "PUBLIC_OWNER",
+    "SURFACES",
     "Adapter",
     "AdapterVersion",
     "ApiKey",
     "Base",
+    "Batch",
+    "BatchLine",
     "BudgetEvent",
     "CreditEntry",
     "EngineReport",
     "PriceChange",
     "SpendLimit",
+    "StoredFile",
     "StoredResponse",
     "StripeExport",
     "Tenant",

@@ -14,13 +14,17 @@ from sqlalchemy.orm import Mapped, mapped_column
 from billing.models.base import Base, UTCDateTime, new_id, utcnow
 
 PERIODS = ("day", "month")  # UTC calendar periods a spend limit covers
+SURFACES = ("admin_api", "cli")  # where a credit entry was made: the admin API, or the CLI through it
 
 
 class CreditEntry(Base):
     """One change of a tenant's prepaid credit: a top-up (> 0) or an adjustment (either sign)."""
 
     __tablename__ = "credit_entries"
-    __table_args__ = (CheckConstraint("kind IN ('topup', 'adjustment')", name="kind"),)
+    __table_args__ = (
+        CheckConstraint("kind IN ('topup', 'adjustment')", name="kind"),
+        CheckConstraint("surface IN ('admin_api', 'cli')", name="surface"),  # SURFACES
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("cre"))
     tenant_id: Mapped[str] = mapped_column(String(32), ForeignKey("tenants.id"), index=True)
@@ -28,8 +32,12 @@ class CreditEntry(Base):
     currency: Mapped[str] = mapped_column(String(3))
     kind: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text, default="")
-    actor: Mapped[str] = mapped_column(String(128))  # who made it (the admin's name, or "migration")
+    actor: Mapped[str] = mapped_column(String(128))  # who made it, as the caller said (free text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # What the server saw, beside what the caller said: the request that wrote it (our request id, in the
+    # logs with the admin key's use) and its surface. NULL: written directly, or before 0011.
+    request_id: Mapped[str | None] = mapped_column(String(64))
+    surface: Mapped[str | None] = mapped_column(String(16))
 
 
 class SpendLimit(Base):

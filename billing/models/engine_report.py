@@ -4,6 +4,7 @@ deployments.engine_reporter writes it; billing.routing_report reads it.
 """
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Double, String
 from sqlalchemy.orm import Mapped, mapped_column
@@ -24,4 +25,7 @@ class EngineReport(Base):
     adapter_requests: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     adapter_hits: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # found resident
     adapter_loads: Mapped[dict[str, int] | None] = mapped_column(JSON)  # "name@vN" -> reads from the store
+    # Tenant isolation inside the replica (deployments/engine_reporter.py ISOLATION_FIELDS), for
+    # GET /admin/engines: service, waiting and oldest wait per tenant, preemptions, adapter queues, ranks.
+    isolation: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

@@ -35,3 +35,6 @@ class Tenant(Base):
     stripe_customer_id: Mapped[str | None] = mapped_column(String(64))  # where its usage is billed
     # Prepaid: it is served only while its credit (billing.models.credit) covers the worst case.
     prepaid: Mapped[bool] = mapped_column(Boolean, default=False)
+    # When its first credit was granted: its usage from that UTC hour on is paid from credit, the hours
+    # before were invoiced (billing.stripe_export), so the balance counts usage from then. None: postpaid.
+    prepaid_since: Mapped[datetime | None] = mapped_column(UTCDateTime)

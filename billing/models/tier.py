@@ -3,7 +3,7 @@
 from datetime import datetime
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, CheckConstraint, Integer, Numeric, String, Text
+from sqlalchemy import BigInteger, CheckConstraint, Double, Integer, Numeric, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from billing.models.base import Base, UTCDateTime, utcnow
@@ -34,3 +34,9 @@ class Tier(Base):
     price_output_per_mtok: Mapped[Decimal] = mapped_column(Numeric(18, 6), default=Decimal(0))
     price_gpu_per_second: Mapped[Decimal] = mapped_column(Numeric(18, 6), default=Decimal(0))
     currency: Mapped[str] = mapped_column(String(3), default="usd")
+    # Its tenants' share of an engine replica while they wait, against other tenants' (fair admission).
+    weight: Mapped[float] = mapped_column(Double, default=1.0)
+    # The most its tenants may each keep in stored responses (their size_bytes, live rows); NULL: no bound.
+    max_stored_response_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # A Batch API line's cost is its price times this (issue 37): batch work on idle capacity, cheaper.
+    batch_price_factor: Mapped[Decimal] = mapped_column(Numeric(6, 4), default=Decimal("0.5"))

@@ -48,15 +48,20 @@ class UsageEvent(Base):
     # NULL only for rows recorded by a version that did not price them.
     cost: Mapped[Decimal | None] = mapped_column(Numeric(18, 6))
     currency: Mapped[str | None] = mapped_column(String(3))
+    batch_id: Mapped[str | None] = mapped_column(String(64))  # a Batch API line's batch (migration 0015)
 
 
 class UsageRollup(Base):
-    """A tenant's usage of one adapter (or the base model) during one UTC hour. The id is derived from
-    that key, so recomputing an hour updates the same row and Stripe identifiers stay stable."""
+    """A tenant's usage of one adapter (or the base model) during one UTC hour, in one currency (a postpaid
+    tenant's tier may change currency within an hour). The id is derived from that key when the row is
+    made; recomputing an hour finds the row by its key and keeps its id, so Stripe identifiers stay stable
+    (rows from before 0011 keep ids derived without the currency)."""
 
     __tablename__ = "usage_rollups"
     __table_args__ = (
-        UniqueConstraint("tenant_id", "adapter_key", "base_model", "hour", name="uq_usage_rollups_key"),
+        UniqueConstraint(
+            "tenant_id", "adapter_key", "base_model", "hour", "currency", name="uq_usage_rollups_key"
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -70,6 +75,9 @@ class UsageRollup(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
     gpu_ms: Mapped[float] = mapped_column(Double)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
-    # The usage rows' settled costs summed, in micro-units of the tenant's currency (a row settled without
-    # a cost counts at the price history's prices). NULL: not computed since the column came (0008).
+    # The usage rows' settled costs summed, in micro-units of `currency` (a row settled without a cost
+    # counts at the price history's prices). NULL: not computed since the column came (0008).
     cost_micros: Mapped[int | None] = mapped_column(BigInteger)
+    # Its rows' currency (a row settled without one: the price history's); "xxx" (ISO 4217: none) when no
+    # price covers them.
+    currency: Mapped[str] = mapped_column(String(3))

@@ -4,7 +4,12 @@ Blocks hold `block_size` tokens of K/V. A sequence owns a block table (logical b
 Full, computed blocks are registered under a digest chained over (parent digest, adapter, cache salt,
 tokens), so the same tokens under two adapters never share K/V, and tenants with different salts never see
 each other's prefixes (not even through `cached_tokens`). The digest is cryptographic: a crafted collision
-would otherwise hand one tenant another's K/V. Unreferenced cached blocks stay (LRU) until reused or evicted.
+would otherwise hand one tenant another's K/V. Unreferenced cached blocks stay until reused or evicted.
+
+Eviction is fair across cache scopes (the salt: the ingress passes the tenant id): a block is taken from
+the scope that holds the most unreferenced cached blocks, its least recently freed first. So one tenant's
+flood of new prompts evicts its own old prefixes before anyone else's; under pressure every scope keeps an
+equal share of the evictable cache (max-min), and a scope below its share loses nothing.
 """
 
 import hashlib
@@ -24,14 +29,17 @@ class BlockManager:
         self._ref_count = [0] * num_blocks
         self._key: list[BlockKey | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack; pops block 0 first
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        # Cached, unreferenced blocks per scope (the chain's cache salt), oldest first; and how many in all.
+        self._evictable: dict[str | None, OrderedDict[int, None]] = {}
+        self._num_evictable = 0
+        self._scope: list[str | None] = [None] * num_blocks  # the salt of a cached block's chain
         self._cached: dict[BlockKey, int] = {}
         self.prefix_hits = 0  # blocks served from the prefix cache, for stats
         self.prefix_queries = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self._num_evictable
 
     @property
     def usage(self) -> float:
@@ -87,6 +95,7 @@ class BlockManager:
             if key not in self._cached:  # a twin computed in the same step may have registered first
                 self._cached[key] = block
                 self._key[block] = key
+                self._scope[block] = seq.cache_salt
             seq.block_hashes.append(key)
             parent = key
 
@@ -96,7 +105,8 @@ class BlockManager:
             self._ref_count[block] -= 1
             if self._ref_count[block] == 0:
                 if self._key[block] is not None:
-                    self._evictable[block] = None
+                    self._evictable.setdefault(self._scope[block], OrderedDict())[block] = None
+                    self._num_evictable += 1
                 else:
                     self._free.append(block)
         seq.block_table = []
@@ -115,17 +125,35 @@ class BlockManager:
 
     def _take(self, block: int) -> None:
         if self._ref_count[block] == 0:
-            self._evictable.pop(block, None)
+            self._unevictable(block)
         self._ref_count[block] += 1
+
+    def _unevictable(self, block: int) -> None:
+        scope = self._scope[block]
+        blocks = self._evictable.get(scope)
+        if blocks is None or block not in blocks:
+            return
+        del blocks[block]
+        self._num_evictable -= 1
+        if not blocks:
+            del self._evictable[scope]
+
+    def _victim(self) -> int:
+        """The block to evict: the oldest of the scope holding the most evictable blocks (ties: the scope
+        that became evictable first). O(scopes with evictable blocks) per eviction."""
+        scope = max(self._evictable, key=lambda s: len(self._evictable[s]))
+        return next(iter(self._evictable[scope]))
 
     def _pop_free(self) -> int:
         if self._free:
             block = self._free.pop()
         else:
-            block, _ = self._evictable.popitem(last=False)
+            block = self._victim()
+            self._unevictable(block)
             key = self._key[block]
             if key is not None and self._cached.get(key) == block:
                 del self._cached[key]
             self._key[block] = None
+            self._scope[block] = None
         self._ref_count[block] = 1
         return block

@@ -26,6 +26,8 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = (
     "gate_proj",
     "up_proj",
     "down_proj",
+    "qkv_proj",  # Phi-3/Phi-4's fused q/k/v and gate/up linears: adapters on them are served as PEFT's
+    "gate_up_proj",
 )
 
 
@@ -147,6 +149,26 @@ class EngineConfig(BaseModel):
             "other tenants wait, one tenant's take at most half of them."
         ),
     )
+    scheduling: Literal["fair", "fifo"] = Field(
+        default="fair",
+        description=(
+            "Order of admission from the waiting queue. fair: the next request of the waiting tenant served "
+            "least so far (prompt tokens, cached prompt tokens at a quarter, output tokens at twice, divided "
+            "by the request's tenant_weight; a tenant arriving is lifted to the least counter of the active "
+            "ones, so idle time banks no credit), first in first out within a tenant. fifo: arrival order "
+            "across tenants."
+        ),
+    )
+    fair_wait_bound_s: float = Field(
+        default=0.5,
+        ge=0,
+        description=(
+            "With scheduling fair, when every row is taken and the next tenant in the fair order has waited "
+            "this long, the newest running sequence of the most served other tenant is preempted for it (at "
+            "most one a step; it resumes from the prefix cache at the head of its tenant's queue), so long "
+            "outputs cannot hold a replica. 0 turns it off (waiters take rows as they free)."
+        ),
+    )
     adapter_wait_bound_s: float = Field(
         default=1.0,
         ge=0,
@@ -154,6 +176,25 @@ class EngineConfig(BaseModel):
             "A request that has waited this long for a device slot takes one: the running users of the least "
             "wanted slot are preempted (their KV stays in the prefix cache), so no adapter waits unboundedly "
             "for busy slots to drain. 0 turns it off (slots only drain)."
+        ),
+    )
+    adapter_min_residency_s: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "An adapter loaded into a slot keeps it this long while it has requests queued (the slot is "
+            "neither evicted nor drained for another adapter waiting in the rotation), and no slot is taken "
+            "by force (its running users preempted) sooner. Bounds how fast many waiting adapters can trade "
+            "slots (churn); 0: slots trade as soon as another adapter waits."
+        ),
+    )
+    stats_top_adapters: int = Field(
+        default=16,
+        ge=1,
+        description=(
+            "How many adapters stats name in their per-adapter queue figures (the deepest queues, and the "
+            "first of the slot rotation); the rest are summed into one figure, so the metrics' adapter label "
+            "stays bounded however many adapters queue."
         ),
     )
     adapter_retry_s: float = Field(

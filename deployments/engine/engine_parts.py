@@ -113,6 +113,9 @@ def build_engine_parts(
         max_prompt_logprob_rows=plan.prompt_logprob_rows,
         max_loras=m.max_loras,
         adapter_wait_bound_s=config.adapter_wait_bound_s,
+        adapter_min_residency_s=config.adapter_min_residency_s,
+        scheduling=config.scheduling,
+        fair_wait_bound_s=config.fair_wait_bound_s,
     )
     runner = _model_runner(config, m, kv_cache, plan.max_model_len)
     sampler = Sampler(plan.vocab_size, m.device, seed=config.seed)
@@ -179,6 +182,7 @@ def _adapter_manager(config: EngineConfig, m: LoadedModel, digests: DigestSource
         device=m.device,
         retry_s=config.adapter_retry_s,
         retry_max_s=config.adapter_retry_max_s,
+        min_residency_s=config.adapter_min_residency_s,
     )
 
 

@@ -37,7 +37,7 @@ from deployments.engine.outputs import (
     RequestUsage,
     TokenLogprob,
 )
-from deployments.engine.request import EngineRequest
+from deployments.engine.request import EngineRequest, Priority
 from deployments.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -119,6 +119,7 @@ __all__ = [
     "InvalidRequest",
     "InvalidSamplingParams",
     "LocalEngineClient",
+    "Priority",
     "PromptTooLong",
     "QueueShareExceeded",
     "ReplicaLost",

@@ -12,6 +12,8 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ from deployments.engine.request import EngineRequest
 from deployments.engine.sequence import ScheduledSequence, Sequence, attach_grammar
 
 log = logging.getLogger(__name__)
+QUEUE_STATS_S = 0.5  # how stale stats()'s queue figures may be
 
 
 class LLMEngine:
@@ -73,6 +76,7 @@ class LLMEngine:
         self.memory_plan = parts.memory.bytes
         self.counters = EngineCounters()
         self._started = time.monotonic()
+        self._queue_stats: tuple[float, dict[str, Any]] | None = None  # (when, figures): see _queues
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -143,8 +147,14 @@ class LLMEngine:
             outputs += self.outputs.fail_group(seq, seq.error or RequestFailed())
         if not plan.scheduled:
             return outputs
-        sampling = [s for s in plan.scheduled if s.draws]
-        prompt_only = [s.seq for s in plan.scheduled if s.samples and not s.draws]  # echo, max_tokens 0
+        sampling: list[ScheduledSequence] = []
+        prompt_only: list[Sequence] = []  # echo with max_tokens 0: its prompt ran, it samples nothing
+        for s in plan.scheduled:
+            if s.samples:
+                if s.seq.max_tokens > 0:
+                    sampling.append(s)
+                else:
+                    prompt_only.append(s.seq)
         try:
             tokens, logprobs = self._run(plan.scheduled, sampling)
         except Exception:  # keep serving: fail this step's requests, not the engine
@@ -159,7 +169,9 @@ class LLMEngine:
         self, scheduled: list[ScheduledSequence], sampling: list[ScheduledSequence]
     ) -> tuple[list[Token], list[TokenLogprob | None]]:
         """The forward and the tokens, timed: the step's device time is split across its sequences."""
-        prompt_rows = [prompt_positions(s.seq, s.seq.num_computed, s.num_tokens) for s in scheduled]
+        prompt_rows: list[range] = []
+        if any(s.seq.prompt_logprobs is not None for s in scheduled):  # else none has any: skip the walk
+            prompt_rows = [prompt_positions(s.seq, s.seq.num_computed, s.num_tokens) for s in scheduled]
         start = time.perf_counter()
         logits = self.runner.run(scheduled)
         if any(prompt_rows):
@@ -176,21 +188,30 @@ class LLMEngine:
         """The step's tokens are in the KV cache now (but for rows that could not be sampled)."""
         broken = {id(item) for item, token in zip(sampling, tokens, strict=True) if isinstance(token, str)}
         for item in scheduled:
-            if id(item) not in broken:
-                item.seq.num_computed += item.num_tokens
-                self.blocks.commit(item.seq)
+            if not broken or id(item) not in broken:
                 seq, m = item.seq, item.seq.metrics
-                m.prompt_processed = max(m.prompt_processed, min(seq.num_computed, seq.num_prompt_tokens))
+                seq.num_computed += item.num_tokens
+                self.blocks.commit(seq)
+                if m.prompt_processed < len(seq.prompt_ids):  # past the prompt it can only stay
+                    m.prompt_processed = max(m.prompt_processed, min(seq.num_computed, len(seq.prompt_ids)))
 
     def _account(self, scheduled: list[ScheduledSequence], elapsed: float) -> None:
-        """Split the step's device time across its sequences by tokens processed (shares sum to elapsed), and
-        count the prompt positions the step ran."""
+        """Charge the step's time to its sequences (the charges sum to elapsed): the host work one sequence
+        caused alone (its grammar's mask and closing, its prompt logprobs) to that sequence, the shared rest
+        (the forward, the sampling call) split by tokens processed. And count the prompt positions run."""
         total = sum(s.num_tokens for s in scheduled)
-        for s in scheduled:
-            s.seq.metrics.gpu_time += elapsed * s.num_tokens / total
-            prompt_end = min(s.seq.num_computed + s.num_tokens, s.seq.num_prompt_tokens)
-            # num_computed has not moved yet
-            self.counters.prefill_tokens += max(0, prompt_end - s.seq.num_computed)
+        own = [s.seq.metrics.step_host_time for s in scheduled]
+        own_sum = sum(own)
+        shared = max(0.0, elapsed - own_sum)
+        scale = elapsed / own_sum if shared == 0.0 and own_sum > 0 else 1.0  # clock jitter: keep the sum
+        prefill = 0
+        for s, host in zip(scheduled, own, strict=True):
+            seq, m = s.seq, s.seq.metrics
+            m.gpu_time += shared * s.num_tokens / total + host * scale
+            m.step_host_time = 0.0
+            if seq.num_computed < len(seq.prompt_ids):  # num_computed has not moved yet
+                prefill += min(seq.num_computed + s.num_tokens, len(seq.prompt_ids)) - seq.num_computed
+        self.counters.prefill_tokens += prefill
         self.counters.busy_seconds += elapsed
         self.counters.steps += 1
 
@@ -205,6 +226,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         slots = self.adapters.slots
+        queues = self._queues()
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -228,7 +250,39 @@ class LLMEngine:
             grammar_refusals=self.grammars.refusals(),
             adapter_load_failures=dict(self.adapters.cpu.load_failures),
             adapter_load_retries=dict(self.adapters.cpu.load_retries),
+            tenant_service={t or "": v for t, v in self.scheduler.served_service().items()},
+            preemptions_by_reason=self.scheduler.preemptions_by_reason(),
+            resident_ranks=self._resident_ranks(),
+            **queues,
         )
+
+    def _resident_ranks(self) -> dict[str, int]:
+        specs = {ref: self.adapters.specs.cached(ref) for ref in self.adapters.slots.resident()}
+        return {str(ref): spec.max_rank for ref, spec in specs.items() if spec is not None}
+
+    def _queues(self) -> dict[str, Any]:
+        """The queue figures of stats() (per-tenant waits, per-adapter queues). They cost a
+        walk of the waiting queue, and stats() runs every step: recomputed at most every QUEUE_STATS_S."""
+        now = time.monotonic()
+        if self._queue_stats is not None and now - self._queue_stats[0] < QUEUE_STATS_S:
+            return self._queue_stats[1]
+        waiting = self.scheduler.waiting_by_tenant()
+        queued = Counter(str(s.adapter) for s in self.scheduler.waiting if s.adapter is not None)
+        top_n = self.config.stats_top_adapters
+        # Deepest first, ties by name: the same adapters stay named while depths hold (stable metric labels).
+        top = dict(sorted(queued.items(), key=lambda item: (-item[1], item[0]))[:top_n])
+        figures: dict[str, Any] = {
+            "tenant_waiting": {t or "": n for t, (n, _) in waiting.items()},
+            "tenant_oldest_wait_s": {t or "": now - since for t, (_, since) in waiting.items()},
+            "adapter_queue": top,
+            "adapter_queue_other": sum(queued.values()) - sum(top.values()),
+            "adapters_queued": len(queued),
+            # As the last scheduling pass left it, less adapters with nothing waiting now (the pass runs only
+            # while sequences wait, so its order outlives an emptied queue).
+            "adapter_rotation": [r for r in map(str, self.scheduler.rotation_order) if r in queued][:top_n],
+        }
+        self._queue_stats = (now, figures)
+        return figures
 
     def close(self) -> None:
         self.grammars.shutdown()

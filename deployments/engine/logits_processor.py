@@ -9,6 +9,7 @@ grammar refuses) gets its error instead of a token, so it fails alone.
 """
 
 import logging
+import time
 
 import torch
 
@@ -39,9 +40,11 @@ class LogitsProcessor:
             if positions:
                 seq = item.seq
                 assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
+                start = time.perf_counter()
                 chosen = [seq.token_ids[q + 1] for q in positions]
                 top = [seq.params.prompt_logprobs] * len(positions)
                 seq.prompt_logprobs += token_logprobs(logits[row : row + len(positions)], chosen, top)
+                seq.metrics.step_host_time += time.perf_counter() - start
                 row += len(positions)
             if item.draws:
                 sampling_rows.append(row)
@@ -69,7 +72,9 @@ class LogitsProcessor:
             token, matcher = tokens[i], s.seq.matcher
             if matcher is None or isinstance(token, str):
                 continue
+            start = time.perf_counter()
             taken = matcher.take(token, _left(s.seq) - 1)
+            s.seq.metrics.step_host_time += time.perf_counter() - start
             if taken is None:
                 tokens[i] = f"token {token} is outside the request's grammar"
             elif taken != token:
@@ -162,7 +167,9 @@ class LogitsProcessor:
         for r, i in enumerate(masked):
             seq = sampling[i].seq
             assert seq.matcher is not None
+            start = time.perf_counter()
             seq.matcher.fill_mask(bitmask, r, _left(seq))
+            seq.metrics.step_host_time += time.perf_counter() - start
         index = torch.tensor(masked, dtype=torch.long, device=logits.device)
         allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # [M, V]
         rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))

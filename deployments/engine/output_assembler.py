@@ -16,7 +16,7 @@ from deployments.engine.detokenizer import IncrementalDetokenizer
 from deployments.engine.errors import RequestError, RequestFailed
 from deployments.engine.outputs import FinishReason, RequestOutput, RequestUsage, TokenLogprob
 from deployments.engine.scheduler import Scheduler
-from deployments.engine.sequence import ScheduledSequence, Sequence
+from deployments.engine.sequence import ScheduledSequence, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class OutputAssembler:
         outputs: list[RequestOutput] = []
         for item, token, logprob in zip(sampling, tokens, logprobs, strict=True):
             seq = item.seq
-            if seq.is_finished:  # a choice failed earlier in this loop took its group with it
+            if seq.status is SequenceStatus.FINISHED:  # a choice failed earlier in this loop took its group
                 continue
             if isinstance(token, str):  # only the request whose row could not be sampled fails
                 log.warning("request %s: sampling failed: %s", seq.group_id, token)
@@ -93,7 +93,7 @@ class OutputAssembler:
         reason: FinishReason | None = None
         delta_stop: str | int | None = None
         text = ""
-        free = _free(seq)
+        free = params.structured is None or _free(seq)
         if not free and detok.has_stops:  # a triggered grammar's block began with this token
             detok.drop_stops()
         if token in self.eos_token_ids and not params.ignore_eos:
@@ -105,8 +105,9 @@ class OutputAssembler:
             text, delta_stop = delta.text, delta.stop_reason
             if delta_stop is not None:
                 reason, seq.stop_reason = FinishReason.STOP, delta_stop
+        length = len(seq.token_ids)
         if reason is None and (
-            seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len
+            length - len(seq.prompt_ids) >= seq.max_tokens or length >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
         if reason is None:
@@ -114,7 +115,11 @@ class OutputAssembler:
             # bills what the engine had processed up to the last output it received.
             usage = self.usage_of(self.groups[seq.group_id])
             out = RequestOutput(seq.group_id, text, [token], usage=usage, index=seq.index)
-            return _annotated(_with_prompt_logprobs(out, seq), logprob)
+            if not seq.prompt_logprobs_sent:
+                _with_prompt_logprobs(out, seq)
+            if logprob is not None:
+                out.logprobs = [logprob]
+            return out
         if delta_stop is None:  # flush held-back text; it may complete a stop string itself
             text += detok.finish()
             if detok.stop_reason is not None:
@@ -129,7 +134,8 @@ class OutputAssembler:
         waiting finishes as LENGTH (gpu_limited), its held-back text flushed. The step that crosses the
         bound has run already; usage_of charges only up to the bound, so the excess is the platform's."""
         outputs: list[RequestOutput] = []
-        for group_id in dict.fromkeys(item.seq.group_id for item in scheduled):
+        bounded = [item.seq.group_id for item in scheduled if item.seq.max_gpu_ms is not None]
+        for group_id in dict.fromkeys(bounded):
             group = self.groups.get(group_id)
             bound = None if not group else group[0].max_gpu_ms
             if group is None or bound is None or sum(s.metrics.gpu_time for s in group) * 1e3 < bound:
@@ -201,27 +207,32 @@ class OutputAssembler:
         """What a request (all its choices) has used so far; final once it finished. Each prompt counts
         once, however many choices share it; completions and device time add up over the choices."""
         group = [seqs] if isinstance(seqs, Sequence) else seqs
-        now = time.monotonic()
         prompt = cached = completion = preemptions = 0
         gpu = 0.0
         first_token: float | None = None
+        end: float | None = None  # the last choice's finish; None while one runs (one pass: every output)
+        running = False
         for seq in group:
             m = seq.metrics
-            completion += seq.num_output_tokens
+            completion += len(seq.token_ids) - len(seq.prompt_ids)
             gpu += m.gpu_time
             preemptions += m.num_preemptions
-            if m.first_token is not None:
-                first_token = m.first_token if first_token is None else min(first_token, m.first_token)
+            if m.first_token is not None and (first_token is None or m.first_token < first_token):
+                first_token = m.first_token
+            if m.finished is None:
+                running = True
+            elif end is None or m.finished > end:
+                end = m.finished
             if seq.leader is None:
                 # Until its first token a request has used only the prompt it processed (cached blocks
                 # included): one aborted in the queue costs nothing, one aborted mid-prefill the chunks that
                 # ran.
                 processed = max(m.prompt_processed, m.cached_prompt_tokens)
-                prompt += seq.num_prompt_tokens if seq.num_output_tokens else processed
+                prompt += seq.num_prompt_tokens if len(seq.token_ids) > len(seq.prompt_ids) else processed
                 cached += m.cached_prompt_tokens
+        if running or end is None:
+            end = time.monotonic()
         first = group[0].metrics
-        ends = [s.metrics.finished for s in group]
-        end = max(e for e in ends if e is not None) if all(e is not None for e in ends) else now
         bound = group[0].max_gpu_ms  # charged at most: the step that crossed it ran past it (stop_spent)
         gpu_ms = gpu * 1e3 if bound is None else min(gpu * 1e3, bound)
         return RequestUsage(

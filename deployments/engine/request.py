@@ -1,9 +1,12 @@
 """EngineRequest: one generation request as it crosses from the ingress to an engine (picklable)."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 from adapters.ref import AdapterRef
 from deployments.engine.sampling_params import SamplingParams
+
+Priority = Literal["interactive", "batch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,18 @@ class EngineRequest:
     # this much in its usage (the crossing step's excess is not charged), so a budget hold that includes
     # it (app/budgets/guard.py) is never exceeded. None: no bound.
     max_gpu_ms: float | None = None
+    # The tenant's share of the engine against other tenants (scheduling "fair"): served service is divided
+    # by it, so a tenant of weight 2 is served about twice what one of weight 1 is while both wait.
+    tenant_weight: float = 1.0
+    # Its class: "batch" sequences take only rows no "interactive" sequence wants (admitted after every
+    # waiting interactive one, preempted first for one, and first when KV blocks run out).
+    priority: Priority = "interactive"
+
+    def __post_init__(self) -> None:
+        if not self.tenant_weight > 0:  # also refuses NaN
+            raise ValueError(f"tenant_weight must be > 0, got {self.tenant_weight}")
+        if self.priority not in ("interactive", "batch"):
+            raise ValueError(f"priority must be 'interactive' or 'batch', got {self.priority!r}")
 
     @property
     def prompts(self) -> list[list[int]]:

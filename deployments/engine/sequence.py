@@ -36,6 +36,11 @@ class SequenceMetrics:
     prompt_processed: int = 0  # most prompt tokens ever in the KV cache (preemption resets num_computed)
     num_preemptions: int = 0
     queued: float | None = None  # when it last entered the waiting queue (arrival, or its preemption)
+    admitted: float | None = None  # when it last took a row (first admission, or resuming after preemption)
+    admitted_outputs: int = 0  # its output tokens then
+    # Host work done for this sequence alone in the current step's timed part (its grammar mask and
+    # closing, its prompt logprobs): charged to it whole, not split with its neighbours (LLMEngine._account).
+    step_host_time: float = 0.0
 
     def waiting_since(self) -> float:
         return self.arrival if self.queued is None else self.queued
@@ -75,6 +80,8 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     tenant: str | None = None  # whom it is for (EngineRequest.tenant): the waiting queue's fair share
     max_gpu_ms: float | None = None  # its request's GPU-time bound (EngineRequest.max_gpu_ms), the group's
+    tenant_weight: float = 1.0  # its tenant's share in the fair order (EngineRequest.tenant_weight)
+    batch: bool = False  # its request's priority is "batch": rows only when no interactive one wants them
 
     def __post_init__(self) -> None:
         if not self.token_ids:

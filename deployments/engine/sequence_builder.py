@@ -65,6 +65,8 @@ class SequenceBuilder:
                     cache_salt=request.cache_salt,
                     tenant=request.tenant,
                     max_gpu_ms=request.max_gpu_ms,
+                    tenant_weight=request.tenant_weight,
+                    batch=request.priority == "batch",
                     # The leader computes the prompt's logprobs; its other choices report them and
                     # prefill from its cached blocks instead of recomputing every position.
                     prompt_logprobs=None if params.prompt_logprobs is None or leader else [None],

@@ -5,6 +5,7 @@ No Ray here: these tests pin down the HTTP behaviour; tests/e2e runs the same ap
 
 import contextlib
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +48,18 @@ class Served:
     services: Services
     setup: TinySetup
     data_dir: Path
+    app: Any = None  # the FastAPI app (its state: the batch runner), unwrapped
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+
+    def break_adapter(self, adapter_id: str) -> None:
+        """Corrupt an uploaded adapter's stored weights, and drop what the engine holds of it: the registry
+        watcher prefetches an upload (it polls every 0.2 s here), maybe before the corruption (CI once
+        answered 200 for such an adapter)."""
+        (self.services.store.root / adapter_id / "v1" / "adapter_model.safetensors").write_bytes(b"broken")
+        time.sleep(0.5)  # a prefetch in flight has ended
+        self.engine.run_on_loop(lambda engine: engine.adapters.remove(adapter_id)).result(timeout=30)
 
     def new_tenant(self, name: str, tier: str = "free") -> tuple[str, str]:
         """(tenant id, API key) through the admin API."""
@@ -104,7 +114,7 @@ def serving(
     app: ASGIApp = create_app(services)
     try:
         with LiveServer(app if wrap is None else wrap(app)) as server:
-            yield Served(server.url, engine, services, llama, data_dir)
+            yield Served(server.url, engine, services, llama, data_dir, app)
     finally:
         watcher.stop()
         engine.shutdown()

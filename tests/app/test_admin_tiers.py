@@ -14,6 +14,7 @@ from tests.app.helpers import unique
 ERROR_KEYS = {"message", "type", "param", "code"}
 TIER_FIELDS = {
     "name",
+    "batch_price_factor",
     "object",
     "description",
     "rpm",
@@ -29,7 +30,7 @@ TENANT_FIELDS = {"id", "object", "name", "tier", "status", "created_at", "update
 TENANT_FIELDS |= {*LIMITS, "limits", "stripe_customer_id"}
 TIER_FIELDS |= {
     *("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok"),
-    *("price_gpu_per_second", "currency"),
+    *("price_gpu_per_second", "currency", "weight", "max_stored_response_bytes"),
 }
 LIMITS_FIELDS = {*LIMITS, "on_limit", "max_queue_ms"}
 FREE = {"rpm": 60, "tpm": 100_000, "max_concurrent": 8, "max_tokens_cap": 4096, "on_limit": "reject"}
@@ -98,6 +99,7 @@ def test_create_and_get_tier(admin: httpx.Client) -> None:
         "max_tokens_cap": 2048,
         "on_limit": "queue",
         "max_queue_ms": 1500,
+        "weight": 2.5,
     }
     r = admin.post("/admin/tiers", json=body)
     assert r.status_code == 201, r.text
@@ -114,6 +116,7 @@ def test_a_new_tier_is_unlimited_unless_told(admin: httpx.Client) -> None:
     tier = r.json()
     assert [tier[k] for k in LIMITS] == [None] * 4
     assert (tier["on_limit"], tier["max_queue_ms"], tier["description"]) == ("reject", 0, "")
+    assert tier["weight"] == 1.0  # an equal share unless told
 
 
 def test_duplicate_tier_is_409(admin: httpx.Client, tier: dict[str, Any]) -> None:
@@ -136,6 +139,11 @@ def test_duplicate_tier_is_409(admin: httpx.Client, tier: dict[str, Any]) -> Non
         ({"max_queue_ms": 60_001}, "max_queue_ms", None),
         ({"on_limit": "queue"}, "max_queue_ms", "invalid_limits"),  # queueing for 0 ms
         ({"burst": 10}, "burst", None),
+        ({"weight": 0}, "weight", None),
+        ({"weight": -1}, "weight", None),
+        ({"weight": 1000.5}, "weight", None),
+        ({"weight": "2"}, "weight", None),
+        ({"weight": None}, "weight", None),
     ],
 )
 def test_invalid_tier_bodies_are_400_naming_the_field(
@@ -160,6 +168,8 @@ def test_patch_changes_only_the_fields_given(admin: httpx.Client, tier: dict[str
     assert r.json() == {**tier, "rpm": 5, "tpm": None, "max_tokens_cap": 64, "description": "Cheaper"}
     r = admin.patch(path, json={"on_limit": "queue", "max_queue_ms": 250})
     assert (r.json()["on_limit"], r.json()["max_queue_ms"]) == ("queue", 250)
+    r = admin.patch(path, json={"weight": 3})
+    assert (r.json()["weight"], r.json()["max_queue_ms"]) == (3.0, 250)
     assert admin.get(path).json() == r.json()
 
 
@@ -182,6 +192,8 @@ def test_empty_patch_changes_nothing(admin: httpx.Client, tier: dict[str, Any]) 
         ({"description": None}, "description", None),  # only limits may be null
         ({"on_limit": None}, "on_limit", None),
         ({"max_queue_ms": None}, "max_queue_ms", None),
+        ({"weight": None}, "weight", None),
+        ({"weight": 0.0}, "weight", None),
         ({"on_limit": "queue"}, "max_queue_ms", "invalid_limits"),  # the tier queues for 0 ms
         ({"rpm": 10, "on_limit": "queue", "max_queue_ms": 0}, "max_queue_ms", "invalid_limits"),
         ({"name": "renamed"}, "name", None),  # tiers are not renamed here
@@ -344,3 +356,26 @@ def test_a_tier_limit_applies_to_its_tenants_and_null_lifts_it(served: Served, a
     lifted = chat(served, key)
     assert lifted.status_code == 200, lifted.text
     assert "x-ratelimit-limit-requests" not in lifted.headers  # unlimited: no rate-limit headers
+
+
+def test_a_tiers_weight_divides_its_tenants_service_in_the_engine(
+    served: Served, admin: httpx.Client
+) -> None:
+    # The same request from tenants on tiers of weight 1 and 4: the engine's fair order counts a quarter of
+    # the service for the second (its share is four times the first's while both wait).
+    counters = {}
+    for weight in (1, 4):
+        tier = admin.post("/admin/tiers", json={"name": unique("share"), "weight": weight}).json()
+        tenant_id, key = served.new_tenant(unique("share"), tier=tier["name"])
+        body = {
+            "model": MODEL,
+            "prompt": "the same words",
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(f"{served.url}/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        counters[weight] = served.engine.stats().tenant_service[tenant_id]
+    assert counters[1] > 0
+    assert counters[4] == pytest.approx(counters[1] / 4)

@@ -93,3 +93,33 @@ def test_credit_for_the_tokens_but_not_the_gpu_bound_is_refused(served: Served) 
     needed = Decimal(error["message"].split("may cost up to ")[1].split()[0])
     assert GPU_PART < needed < Decimal("0.01") + GPU_PART
     assert rows(served, tenant_id) == []  # refused before any work
+
+
+def responses(served: Served, key: str, max_output_tokens: int, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": max_output_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream, "store": False}  # fmt: skip
+    return httpx.post(f"{served.url}/v1/responses", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {key}"})  # fmt: skip
+
+
+def test_a_response_stopped_at_the_bound_says_so_as_chat_does(served: Served) -> None:
+    """Issue 35, item 8e: /v1/responses ended a GPU-bounded response as if max_output_tokens had cut it.
+    It is incomplete (the output was cut by a limit, as chat's finish_reason "length"), and its
+    incomplete_details say gpu_time_limited, as chat's choice does; a max_output_tokens cut does not."""
+    _, key = prepaid(served, "1")
+    reply = responses(served, key, max_output_tokens=200)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["status"] == "incomplete" and body["usage"]["output_tokens"] < 200
+    assert body["incomplete_details"] == {"reason": "max_output_tokens", "gpu_time_limited": True}
+
+    streamed = responses(served, key, max_output_tokens=200, stream=True)
+    assert streamed.status_code == 200
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    ended = [e["response"] for e in events if e["type"] in ("response.completed", "response.incomplete")]
+    assert [(r["status"], r["incomplete_details"]) for r in ended] == [
+        ("incomplete", {"reason": "max_output_tokens", "gpu_time_limited": True})
+    ]
+
+    short = responses(served, key, max_output_tokens=1).json()  # cut by its own limit, not the GPU's
+    assert short["status"] == "incomplete" and short["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from decimal import Decimal
 
 import httpx
@@ -16,9 +17,10 @@ from typer.testing import Result
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.redis_backend import RedisBudgets
 from billing import credit
-from billing.models import UsageEvent, utcnow
+from billing.models import Tenant, UsageEvent, utcnow
 from tests.app.conftest import MODEL, Served
 from tests.app.helpers import wait_for
+from tests.billing.test_usage_queries import make_event
 
 # Dear enough that a few tokens are real money: 1 per million input tokens is 0.000001 each.
 PRICES = {"price_input_per_mtok": "1000", "price_cached_input_per_mtok": "1000",
@@ -204,3 +206,112 @@ def test_cli_credit_and_budgets(served: Served, metered_tier: str, cli: Callable
     assert human.exit_code == 0 and "invoice 42" in human.stdout
     refused = cli("credit", "add", tenant_id, "0")
     assert refused.exit_code != 0 and "amount" in refused.output
+
+
+def settled_long_ago(served: Served, tenant_id: str, cost: str, days: int) -> None:
+    """A usage row settled `days` ago, while the tenant was postpaid (Stripe invoices such hours)."""
+    started = utcnow() - timedelta(days=days)
+    with served.services.session_factory() as session, session.begin():
+        session.add(make_event(tenant_id, started, cost=Decimal(cost), currency="usd"))
+
+
+def test_postpaid_usage_before_the_first_top_up_is_not_charged_to_credit(
+    served: Served, metered_tier: str
+) -> None:
+    """Issue 35, item 3: 80.00 of usage 20 days old, then a 100.00 top-up: the credit is 100.00 (it was
+    20.00, while the old rollup was still invoiced). Usage from the top-up's hour on is charged to it."""
+    tenant_id, key = new_tenant(served, metered_tier)
+    settled_long_ago(served, tenant_id, "80", days=20)
+    assert top_up(served, tenant_id, "100").status_code == 201
+    with served.admin() as admin:
+        shown = admin.get(f"/admin/tenants/{tenant_id}/credit").json()
+    assert (shown["prepaid"], shown["balance"]) == (True, "100.000000")
+    with served.services.session_factory() as session:
+        tenant = session.get(Tenant, tenant_id)
+        assert tenant is not None and tenant.prepaid_since is not None
+        assert tenant.prepaid_since == credit.credit_entries(session, tenant_id=tenant_id)[0].created_at
+    time.sleep(served.services.settings.auth_cache_ttl_s * 2)
+    reply = chat(served, key, max_tokens=4)
+    assert reply.status_code == 200, reply.text
+    wait_for(lambda: len(costs(served, tenant_id)) == 2)
+    shown = limits(served, key).json()["budget"]
+    assert Decimal(shown["balance"]) == Decimal(100) - cost_of(reply.json())
+
+
+def test_a_negative_adjustment_does_not_make_a_postpaid_tenant_prepaid(
+    served: Served, metered_tier: str
+) -> None:
+    """Issue 35, item 3: a -1.00 correction of a postpaid tenant made it prepaid with -1.00 of credit, and
+    every request after it was refused. A postpaid tenant has no credit to correct: a 400, nothing written."""
+    tenant_id, key = new_tenant(served, metered_tier)
+    refused = top_up(served, tenant_id, "-1.00", kind="adjustment")
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", "amount", "tenant_not_prepaid",
+    )  # fmt: skip
+    assert "postpaid" in error["message"]
+    time.sleep(served.services.settings.auth_cache_ttl_s * 2)
+    served_reply = chat(served, key, max_tokens=4)
+    assert served_reply.status_code == 200
+    wait_for(lambda: len(costs(served, tenant_id)) == 1)
+    shown = limits(served, key).json()["budget"]
+    assert shown is None or (shown["prepaid"], shown["balance"]) == (False, None)
+    with served.admin() as admin:
+        ledger = admin.get(f"/admin/tenants/{tenant_id}/credit").json()
+    assert ledger["entries"] == [] and ledger["prepaid"] is False
+    # A positive adjustment is credit granted: it makes the tenant prepaid like a top-up, from the start of
+    # this hour (the request above is in it: not invoiced, so credit pays for it).
+    assert top_up(served, tenant_id, "2.00", kind="adjustment").status_code == 201
+    assert top_up(served, tenant_id, "-0.50", kind="adjustment").status_code == 201
+    with served.admin() as admin:
+        shown = admin.get(f"/admin/tenants/{tenant_id}/credit").json()
+    assert shown["prepaid"] is True
+    assert Decimal(shown["balance"]) == Decimal("1.5") - cost_of(served_reply.json())
+
+
+def test_the_ledger_records_the_request_and_the_surface_beside_the_actor(
+    served: Served, metered_tier: str, cli: Callable[..., Result]
+) -> None:
+    """Issue 35, item 8: `actor` is whatever the body says; the request id (in the access log with the admin
+    key's use) and the surface (admin API, or the CLI through it) are recorded by the server beside it."""
+    tenant_id, _ = new_tenant(served, metered_tier)
+    reply = top_up(served, tenant_id, "1")
+    assert reply.status_code == 201, reply.text
+    entry = reply.json()
+    assert (entry["surface"], entry["request_id"]) == ("admin_api", reply.headers["x-request-id"])
+    assert entry["request_id"].startswith("req_")
+    added = cli("--json", "credit", "add", tenant_id, "2", "--actor", "finance")
+    assert added.exit_code == 0, added.output
+    assert json.loads(added.stdout)["surface"] == "cli"
+    with served.admin() as admin:
+        ledger = admin.get(f"/admin/tenants/{tenant_id}/credit").json()["entries"]
+    assert [(e["actor"], e["surface"]) for e in ledger] == [("ops", "admin_api"), ("finance", "cli")]
+    assert len({e["request_id"] for e in ledger}) == 2 and all(
+        e["request_id"].startswith("req_") for e in ledger
+    )
+    human = cli("credit", "show", tenant_id)
+    assert human.exit_code == 0 and "cli" in human.stdout
+
+
+def test_a_top_up_past_the_most_credit_a_tenant_may_hold_is_a_400(served: Served, metered_tier: str) -> None:
+    """Issue 35, item 8: each top-up was bounded, their sum was not, and a sum past the micro-unit bound made
+    the tenant's budget unreadable (a 503 for every request it made). The top-up that would cross it is
+    refused, naming the field; the credit up to the bound stays usable."""
+    tenant_id, key = new_tenant(served, metered_tier)
+    for _ in range(10):  # 10 x the largest top-up: exactly the bound, 1,000,000,000
+        assert top_up(served, tenant_id, "100000000").status_code == 201
+    refused = top_up(served, tenant_id, "0.000001")
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", "amount", "credit_out_of_range",
+    )  # fmt: skip
+    assert "1000000000.000000" in error["message"]
+    with served.admin() as admin:
+        shown = admin.get(f"/admin/tenants/{tenant_id}/credit")
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["balance"] == "1000000000.000000" and len(shown.json()["entries"]) == 10
+    time.sleep(served.services.settings.auth_cache_ttl_s * 2)
+    assert chat(served, key, max_tokens=4).status_code == 200
+    assert top_up(served, tenant_id, "-0.5", kind="adjustment").status_code == 201  # back within

@@ -15,18 +15,32 @@ def test_tier_lifecycle(cli: Cli) -> None:
     name = unique("gold")
     created = as_json(
         cli("--json", "tiers", "create", name, "--rpm", "120", "--tpm", "50000", "--max-concurrent", "4",
-            "--on-limit", "queue", "--max-queue-ms", "2000", "--description", "Paid")
+            "--on-limit", "queue", "--max-queue-ms", "2000", "--description", "Paid", "--weight", "2")
     )  # fmt: skip
     assert (created["name"], created["description"]) == (name, "Paid")
     assert [created[k] for k in LIMITS] == [120, 50_000, 4, None]
-    assert (created["on_limit"], created["max_queue_ms"]) == ("queue", 2000)
+    assert (created["on_limit"], created["max_queue_ms"], created["weight"]) == ("queue", 2000, 2.0)
     assert as_json(cli("--json", "tiers", "get", name)) == created
 
     updated = as_json(
         cli("--json", "tiers", "update", name, "--rpm", "5", "--unlimited", "tpm,max-concurrent")
     )
     assert [updated[k] for k in LIMITS] == [5, None, None, None]
-    assert (updated["on_limit"], updated["description"]) == ("queue", "Paid")  # untouched
+    assert (updated["on_limit"], updated["description"], updated["weight"]) == (
+        "queue",
+        "Paid",
+        2.0,
+    )  # untouched
+    assert as_json(cli("--json", "tiers", "update", name, "--weight", "0.5"))["weight"] == 0.5
+    assert created["batch_price_factor"] == "0.5000"  # half price unless told
+    factor = cli("--json", "tiers", "update", name, "--batch-price-factor", "0.25")
+    assert as_json(factor)["batch_price_factor"] == "0.2500"
+    assert as_json(cli("--json", "tiers", "get", name))["weight"] == 0.5  # untouched by it
+    assert created["max_stored_response_bytes"] is None  # no bound unless told
+    quota = cli("--json", "tiers", "update", name, "--max-stored-response-bytes", "1000000")
+    assert as_json(quota)["max_stored_response_bytes"] == 1_000_000
+    unbounded = cli("--json", "tiers", "update", name, "--unlimited-stored-responses")
+    assert as_json(unbounded)["max_stored_response_bytes"] is None
     back = as_json(cli("--json", "tiers", "update", name, "--on-limit", "reject", "--max-queue-ms", "0"))
     assert (back["on_limit"], back["max_queue_ms"], back["rpm"]) == ("reject", 0, 5)
     assert as_json(cli("--json", "tiers", "update", name, "--unlimited", "all"))["rpm"] is None
@@ -38,8 +52,9 @@ def test_tier_lifecycle(cli: Cli) -> None:
 
 def test_human_output_is_tables(cli: Cli) -> None:
     name = unique("silver")
-    made = cli("tiers", "create", name, "--rpm", "1500", "--description", "Mid")
+    made = cli("tiers", "create", name, "--rpm", "1500", "--description", "Mid", "--batch-price-factor", "1")
     assert made.exit_code == 0, made.output
+    assert "1.0000 (Batch API lines" in made.stdout  # batches at full price
     assert "Created tier" in made.stdout
     assert "1,500" in made.stdout
     assert "unlimited" in made.stdout  # tpm and the others
@@ -100,6 +115,9 @@ def test_usage_errors_exit_2_without_a_request(cli: Cli, served: Served) -> None
         (("tiers", "create", unique("x"), "--rpm", "0"), "--rpm"),
         (("tiers", "create", unique("x"), "--on-limit", "drop"), "--on-limit"),
         (("tiers", "create", unique("x"), "--max-queue-ms", "70000"), "--max-queue-ms"),
+        (("tiers", "update", "free", "--batch-price-factor", "1.5"), "'1.5' is not a price factor"),
+        (("tiers", "update", "free", "--batch-price-factor", "0.12345"), "is not a price factor"),
+        (("tiers", "create", unique("x"), "--batch-price-factor", "half"), "is not a price factor"),
         (("tenants", "update", tenant["id"], "--clear-overrides", "on_limit"), "unknown limit 'on_limit'"),
         (("tenants", "update", tenant["id"], "--tpm", "-1"), "--tpm"),
         (("tenants", "update", tenant["id"]), "nothing to update"),

@@ -85,6 +85,11 @@ def test_usage_show_tables(cli: Cli, usage_world: dict[str, str], monkeypatch: p
     b_row = next(line for line in wide.stdout.splitlines() if line.startswith(usage_world["b"])).split()
     assert b_row == [usage_world["b"], "2025-05-01", "10:00Z", "1", "5", "0", "5", "0.002"]
 
+    by_batch = cli("usage", "show", "--tenant", usage_world["a"], *PERIOD, "--group-by", "batch")
+    assert by_batch.exit_code == 0, by_batch.output
+    assert by_batch.stdout.splitlines()[1].split()[:2] == ["BATCH", "REQUESTS"]
+    assert by_batch.stdout.splitlines()[2].split()[:3] == ["interactive", "2", "1,234,567"]  # no batches
+
     empty = cli("usage", "show", "--tenant", usage_world["b"], "--start", "2020-01-01", "--end", "2020-01-02")
     assert empty.exit_code == 0, empty.output
     assert "No usage from 2020-01-01 00:00Z to 2020-01-02 00:00Z." in empty.stdout

@@ -56,7 +56,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
     dirs = {"llama": tokenizer_dir}
-    for arch in ("qwen2", "mistral"):
+    for arch in (a for a in ARCHS if a != "llama"):
         dirs[arch] = build_model(tmp_path_factory.mktemp(arch), arch=arch, tokenizer_dir=tokenizer_dir)
     return dirs
 
@@ -140,7 +140,7 @@ def test_token_ids_agree_across_archs(model_dirs: dict[str, Path]) -> None:
     tokenizers = {arch: load_tokenizer(model_dirs[arch]) for arch in ARCHS}
     for line in synthetic_corpus(seed=7, lines=200):
         ids = {arch: tok.encode(line) for arch, tok in tokenizers.items()}
-        assert ids["llama"] == ids["qwen2"] == ids["mistral"], line
+        assert all(ids[arch] == ids["llama"] for arch in ARCHS), line
 
 
 def test_generate_runs_and_stops(model_dirs: dict[str, Path]) -> None:

@@ -59,7 +59,7 @@ def test_streamed_aborted_and_failed_requests_are_metered_too(served: Served) ->
     }
     with served.admin() as admin:
         made = admin.post("/admin/adapters", data={"name": "broken", "owner": tenant_id}, files=files).json()
-    (served.services.store.root / made["id"] / "v1" / "adapter_model.safetensors").write_bytes(b"broken")
+    served.break_adapter(made["id"])
     failed = post(served, key, "/v1/completions", {"model": "broken", "prompt": "x", "max_tokens": 2})
     assert failed.status_code == 503  # a registered adapter the engine cannot read is the platform's fault
     assert failed.headers.get("retry-after") and made["id"] not in failed.text

@@ -22,6 +22,7 @@ from deployments.engine.interface import LocalEngineClient
 from tests.adapters.s3_proxy import s3_proxy
 from tests.app.conftest import ADMIN_KEY, MODEL, Served, serving
 from tests.app.test_adapters_api import greedy, reference_text, upload_files
+from tests.app.test_files_api import jsonl, line
 from tests.engine.reference import PeftReference
 from tests.model_fixtures import TinySetup
 
@@ -59,6 +60,32 @@ def on_s3(
 ) -> Iterator[Served]:
     with serving(llama, tmp_path_factory.mktemp("s3-app"), store=f"s3://{BUCKET}/prod") as app:
         yield app
+
+
+def test_files_and_batches_keep_their_bytes_in_the_object_store(
+    on_s3: Served, s3: ThreadedMotoServer
+) -> None:
+    """The Files API's bytes go to the adapter store's bucket under its `.files/` prefix: uploaded,
+    read back for a batch and for the client, and removed on delete. (First: the outage test below
+    restarts the store on another port.)"""
+    tenant_id, key = on_s3.new_tenant(f"s3-files-{uuid.uuid4().hex[:8]}")
+    client = OpenAI(base_url=f"{on_s3.url}/v1", api_key=key, max_retries=0)
+    content = jsonl([line("a"), line("b")])
+    created = client.files.create(file=("in.jsonl", content), purpose="batch")
+    host, port = s3.get_host_and_port()
+    bucket = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+    key_name = f"prod/.files/{tenant_id}/{created.id}.jsonl"
+    assert bucket.get_object(Bucket=BUCKET, Key=key_name)["Body"].read() == content
+    assert client.files.content(created.id).read() == content
+    batch = client.batches.create(
+        input_file_id=created.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert (
+        batch.status == "in_progress" and batch.request_counts is not None and batch.request_counts.total == 2
+    )
+    assert client.files.delete(created.id).deleted
+    listed = bucket.list_objects_v2(Bucket=BUCKET, Prefix=f"prod/.files/{tenant_id}/")
+    assert listed.get("KeyCount", 0) == 0
 
 
 def test_uploads_serve_from_the_store_and_outlive_its_outage(on_s3: Served, s3: ThreadedMotoServer) -> None:

@@ -23,6 +23,7 @@ from tests.app.bare_serving import bare_serving
 from tests.app.conftest import MODEL, Served
 from tests.app.helpers import wait_for
 from tests.app.test_rate_limits import DownLimiter, complete, make_tier
+from tests.engine.helpers import drain, queued_adapters
 from tests.model_fixtures import TinySetup
 
 
@@ -164,7 +165,7 @@ def test_a_rate_limited_request_is_counted_as_rejected(served: Served) -> None:
 def test_a_failed_request_is_counted_under_its_adapter(served: Served) -> None:
     tenant_id, key = served.new_tenant(f"obs-f-{uuid.uuid4().hex[:8]}")
     adapter_id = upload(served, "obs-fragile", tenant_id, served.setup.adapter_dirs["demo-sql"])
-    (served.services.store.root / adapter_id / "v1" / "adapter_model.safetensors").write_bytes(b"broken")
+    served.break_adapter(adapter_id)
     failed = complete(served, key, model="obs-fragile")  # its stored weights broke: the platform's fault
     assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_unavailable"
     tags = {"tenant": tenant_id, "model": "obs-fragile", "base_model": MODEL}
@@ -204,12 +205,46 @@ def test_engine_gauges_and_counters_follow_the_engine_stats(served: Served) -> N
     metrics.export_once()
     assert MEMORY.value("loraplex_engine_adapter_loads", **tags) == stats.adapter_loads
     assert MEMORY.value("loraplex_engine_busy_seconds", **tags) == pytest.approx(stats.busy_seconds)
-    _, key = served.new_tenant(f"obs-e-{uuid.uuid4().hex[:8]}")
+    tenant_id, key = served.new_tenant(f"obs-e-{uuid.uuid4().hex[:8]}")
     assert complete(served, key, max_tokens=3).status_code == 200
     metrics.export_once()
-    assert MEMORY.value("loraplex_engine_busy_seconds", **tags) == pytest.approx(
-        served.engine.stats().busy_seconds
-    )
+    stats = served.engine.stats()
+    assert MEMORY.value("loraplex_engine_busy_seconds", **tags) == pytest.approx(stats.busy_seconds)
+    # The fair order's counters and preemptions by reason, per tenant and reason.
+    service = MEMORY.value("loraplex_engine_tenant_service", **tags, tenant=tenant_id)
+    assert service == stats.tenant_service[tenant_id] > 0
+    for reason, count in stats.preemptions_by_reason.items():
+        assert MEMORY.value("loraplex_engine_preemptions_by_reason", **tags, reason=reason) == count
+    for ref, rank in stats.resident_ranks.items():
+        assert MEMORY.value("loraplex_engine_resident_adapter_rank", **tags, adapter=ref) == rank
+
+
+def test_adapter_queues_rotation_and_ranks_are_exported_with_a_bounded_adapter_label(
+    llama: TinySetup,
+) -> None:
+    engine, (x, y, z, _) = queued_adapters(llama)  # x runs; y, z and w queue 3, 2 and 1
+    tags = {"base_model": f"rotation-{uuid.uuid4().hex[:6]}"}
+    metrics = EngineMetrics(engine, base_model=tags["base_model"])
+    metrics.export_once()
+    queue = {
+        r["adapter"] for r in MEMORY.series("loraplex_engine_adapter_queue") if r.items() >= tags.items()
+    }
+    assert queue == {str(y), str(z)}  # the deepest two only
+    assert MEMORY.value("loraplex_engine_adapter_queue", **tags, adapter=str(y)) == 3
+    assert MEMORY.value("loraplex_engine_adapter_queue_other", **tags) == 1
+    assert MEMORY.value("loraplex_engine_adapters_queued", **tags) == 3
+    assert MEMORY.value("loraplex_engine_adapter_rotation_position", **tags, adapter=str(y)) == 1
+    assert MEMORY.value("loraplex_engine_adapter_rotation_position", **tags, adapter=str(z)) == 2
+    rank = engine.adapters.specs.cached(x).max_rank  # type: ignore[union-attr]
+    assert MEMORY.value("loraplex_engine_resident_adapter_rank", **tags, adapter=str(x)) == rank
+    assert MEMORY.value("loraplex_engine_resident_adapters_by_rank", **tags, rank=str(rank)) == 1
+    drain(engine)
+    engine._queue_stats = None
+    metrics.export_once()
+    engine.close()
+    for name in ("adapter_queue", "adapter_rotation_position"):
+        assert MEMORY.value(f"loraplex_engine_{name}", **tags) == 0  # every adapter's series back to 0
+    assert MEMORY.value("loraplex_engine_adapters_queued", **tags) == 0
 
 
 def test_metering_backlog_is_published(served: Served) -> None:

@@ -4,6 +4,7 @@ delivered by another replica, in another process, exactly once, once the dead on
 import asyncio
 import multiprocessing
 import os
+import sqlite3
 import time
 import uuid
 from datetime import UTC, datetime
@@ -108,3 +109,24 @@ def test_a_claim_blocks_others_until_it_lapses(tmp_path: Path) -> None:
     second.done([i for i, _ in taken])
     assert first.pending() == 0
     second.release([])  # releasing nothing is harmless
+
+
+def test_the_loops_write_never_waits_it_leaves_the_record_to_a_thread(tmp_path: Path) -> None:
+    """try_add writes on the caller's thread only when no lock is held; otherwise it writes nothing (the
+    caller then adds in a thread), and nothing is lost either way."""
+    path = tmp_path / "outbox.sqlite"
+    outbox = Outbox(path)
+    assert outbox.try_add(record("inline")) and outbox.pending() == 1
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another replica's claim holds SQLite's write lock
+    started = time.monotonic()
+    assert not outbox.try_add(record("busy"))
+    assert time.monotonic() - started < 0.5  # refused at once, not after the 10 s busy timeout
+    other.execute("COMMIT")
+    other.close()
+    with outbox._lock:  # this process's delivery thread holds the outbox
+        assert not outbox.try_add(record("held"))
+    outbox.add(record("busy"))
+    assert outbox.try_add(record("inline")) and outbox.pending() == 2  # a retried id is ignored
+    assert {r.request_id for _, r in outbox.claim("me", 10)} == {"inline", "busy"}
+    outbox.close()

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -95,10 +96,10 @@ def leases(served: Served, tenant_id: str) -> int:
     return 0 if state is None else len(state.leases)
 
 
-def hold(served: Served, tenant_id: str, limits: Limits) -> str:
+def hold(served: Served, tenant_id: str, limits: Limits, reserve: int = 1) -> str:
     """A lease taken as another ingress replica's running request would take it."""
     holder = f"other-replica-{uuid.uuid4().hex[:6]}"
-    decision = asyncio.run(served.services.limiter.admit(tenant_id, holder, limits, 1))
+    decision = asyncio.run(served.services.limiter.admit(tenant_id, holder, limits, reserve))
     assert decision.admitted
     return holder
 
@@ -125,7 +126,7 @@ def test_concurrency_limit_and_the_lease_is_freed_on_every_end(served: Served) -
     }
     with served.admin() as admin:
         made = admin.post("/admin/adapters", data={"name": "fragile", "owner": tenant_id}, files=files).json()
-    (served.services.store.root / made["id"] / "v1" / "adapter_model.safetensors").write_bytes(b"broken")
+    served.break_adapter(made["id"])
     failed = complete(served, key, model="fragile")
     assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_unavailable"
     assert leases(served, tenant_id) == 0
@@ -240,3 +241,111 @@ def test_limiter_outage_fails_closed_unless_configured_open(
     assert complete(served, unlimited).status_code == 200
     assert "x-ratelimit-limit-requests" not in complete(served, unlimited).headers
     assert json.loads(closed.text)["error"]["message"]
+
+
+class CountingAdmits:
+    """The app's limiter, counting the admit calls that reach it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.admits = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def admit(self, *args: Any, **kwargs: Any) -> Decision:
+        self.admits += 1
+        decision: Decision = await self.inner.admit(*args, **kwargs)
+        return decision
+
+
+def post_raw(served: Served, key: str, path: str, content: bytes) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    return httpx.post(f"{served.url}{path}", content=content, headers=headers, timeout=60)
+
+
+def bad_bodies() -> list[tuple[str, bytes]]:
+    """Bodies that are refused 400 when parsed: not JSON, and a large schema-invalid list of messages."""
+    items = json.dumps([{"role": "user", "content": "x", "junk": [1] * 8}] * 12_000).encode()
+    return [
+        ("/v1/completions", b"{not json"),
+        ("/v1/chat/completions", b'{"model": "' + MODEL.encode() + b'", "messages": ' + items + b", 7}"),
+        ("/v1/chat/completions", b'{"model": 1, "messages": ' + items + b"}"),
+        ("/v1/responses", b'{"model": 1, "input": ' + items + b"}"),
+    ]
+
+
+def assert_rpm_refusal(response: httpx.Response) -> None:
+    assert response.status_code == 429, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and "requests per minute" in error["message"]
+    assert 1 <= int(response.headers["retry-after"]) <= 60
+    assert 0 < int(response.headers["retry-after-ms"]) <= 60_000
+    assert response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert response.headers["x-request-id"]
+
+
+def test_a_tenant_over_its_rpm_is_refused_before_its_body_is_parsed(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35, item 2: after a requests-per-minute refusal (reject tier) the tenant's next requests, for a
+    moment, get the same 429 before their bodies are parsed and without a limiter call each."""
+    key = tenant_key(served, rpm=1)
+    other = tenant_key(served, rpm=50)
+    counting = CountingAdmits(served.services.limiter)
+    monkeypatch.setattr(served.services, "limiter", counting)
+    assert complete(served, key).status_code == 200
+    assert_rpm_refusal(complete(served, key))
+    assert counting.admits == 2
+    for path, body in bad_bodies():  # each a 400 once parsed; refused first, unread and unparsed
+        assert_rpm_refusal(post_raw(served, key, path, body))
+    assert_rpm_refusal(complete(served, key))
+    assert counting.admits == 2  # a refused flood costs no limiter round trip
+    # Reads are not admissions: they stay free of it.
+    models = httpx.get(f"{served.url}/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=30)
+    assert models.status_code == 200
+    # Another tenant is untouched: its bad body is parsed and refused for itself, its good one admitted.
+    assert post_raw(served, other, "/v1/completions", b"{not json").status_code == 400
+    assert complete(served, other).status_code == 200
+    assert counting.admits == 4  # the bad body counted against its RPM, the good one admitted
+    time.sleep(1.2)  # past the hold (at most a second): the limiter is asked again
+    assert_rpm_refusal(complete(served, key))
+    assert counting.admits == 5
+    assert_rpm_refusal(post_raw(served, key, "/v1/completions", b"{not json"))
+    assert counting.admits == 5
+
+
+def test_bad_requests_that_fill_the_rpm_stop_the_next_parse(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused requests count against RPM; once they have filled it, the next is refused unparsed."""
+    key = tenant_key(served, rpm=2)
+    counting = CountingAdmits(served.services.limiter)
+    monkeypatch.setattr(served.services, "limiter", counting)
+    for _ in range(3):  # two counted, the third refused by the limiter (its answer stays the 400)
+        assert post_raw(served, key, "/v1/completions", b"{not json").status_code == 400
+    assert counting.admits == 3
+    assert_rpm_refusal(post_raw(served, key, "/v1/completions", b"{not json"))
+    assert_rpm_refusal(complete(served, key))
+    assert counting.admits == 3
+
+
+def test_queue_tiers_and_token_refusals_are_not_kept(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue tier's request waits for room (no refusal is kept for it); a token refusal depends on the
+    body, so the next request is parsed and asks the limiter."""
+    queued = tenant_key(served, rpm=1, on_limit="queue", max_queue_ms=200)
+    tenant_id, tokens = served.new_tenant(
+        f"rl-{uuid.uuid4().hex[:8]}", tier=make_tier(served, rpm=100, tpm=100)
+    )
+    hold(served, tenant_id, Limits(rpm=100, tpm=100), reserve=90)  # another replica's request holds 90
+    counting = CountingAdmits(served.services.limiter)
+    monkeypatch.setattr(served.services, "limiter", counting)
+    assert complete(served, queued).status_code == 200
+    waited = complete(served, queued)
+    assert waited.status_code == 429 and "waiting" in waited.json()["error"]["message"]
+    assert post_raw(served, queued, "/v1/completions", b"{not json").status_code == 400
+    assert counting.admits == 3  # the bad body was parsed, and counted
+    refused = complete(served, tokens, max_tokens=20)
+    assert refused.status_code == 429 and "tokens per minute" in refused.json()["error"]["message"]
+    assert complete(served, tokens, max_tokens=2).status_code == 200
+    assert counting.admits == 5

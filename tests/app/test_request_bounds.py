@@ -14,7 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.completions.plan import INLINE_PROMPT_CHARS
 from app.schemas.openai import MAX_PROMPT_TOKENS, MAX_PROMPTS, CompletionRequest, Prompt
-from app.served_models.prompts import PromptBuilder
+from app.served_models.prompts import ChatPrompt, PromptBuilder
 from tests.app.conftest import ADMIN_KEY, MODEL, Served
 from tests.app.features import best_of
 from tests.app.test_error_contract import assert_error
@@ -138,9 +138,9 @@ def test_templating_and_tokenisation_run_off_the_event_loop_once_a_prompt_is_lar
     """A short prompt is templated on the event loop (cheaper than the hop to a thread); one of
     INLINE_PROMPT_CHARS or more in the thread pool, where it holds no other request up."""
     threads: list[str] = []
-    chat, completion = PromptBuilder.chat, PromptBuilder.completion
+    chat, completion = PromptBuilder.chat_prompt, PromptBuilder.completion
 
-    def recording_chat(self: PromptBuilder, *args: object) -> list[int]:
+    def recording_chat(self: PromptBuilder, *args: object) -> ChatPrompt:
         threads.append(threading.current_thread().name)
         return chat(self, *args)  # type: ignore[arg-type]
 
@@ -148,7 +148,7 @@ def test_templating_and_tokenisation_run_off_the_event_loop_once_a_prompt_is_lar
         threads.append(threading.current_thread().name)
         return completion(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(PromptBuilder, "chat", recording_chat)
+    monkeypatch.setattr(PromptBuilder, "chat_prompt", recording_chat)
     monkeypatch.setattr(PromptBuilder, "completion", recording_completion)
     _, key = tenant
     for text in ("hi", "hello world " * (INLINE_PROMPT_CHARS // 12 + 1)):

@@ -267,6 +267,30 @@ def test_the_template_renders_tools_calls_and_results(served: Served) -> None:
     assert "<tools>" not in str(prompts.tokenizer.decode(prompts.chat(messages[:1])))
 
 
+def test_a_chat_is_tokenised_as_the_template_tokenises_it(llama: TinySetup) -> None:
+    """PromptBuilder.chat asks the fast tokenizer for the rendered text's ids itself: the same ids as
+    `apply_chat_template(tokenize=True)`, control tokens included."""
+    prompts = PromptBuilder(llama.model_dir)
+    for messages in (
+        [ChatMessage(role="user", content="hello " * 60)],
+        [
+            ChatMessage(role="system", content="Be brief. <|im_end|> é 日本 🙂"),
+            ChatMessage(role="user", content="x"),
+        ],
+        [ChatMessage(role="user", content="Weather?")],
+    ):
+        for tools in (None, [dict(t) for t in TOOLS]):
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            expected = prompts.tokenizer.apply_chat_template(
+                conversation,
+                tools=cast(Any, tools),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            assert prompts.chat(messages, tools) == expected
+
+
 def test_a_template_without_tools_refuses_them(served: Served, tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copyfile(served.setup.model_dir / name, tmp_path / name)

@@ -1,17 +1,23 @@
 """The usage API against the live app: GET /v1/usage (a tenant's own usage only), GET /admin/usage,
 GET /admin/tenants/{id}/bill; tier prices and Stripe customer ids in the admin API; their errors."""
 
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 
-from billing.models import Adapter
-from billing.usage import rollup_hours
+from billing.micros import to_micros
+from billing.models import Adapter, StoredResponse, UsageEvent, UsageRollup
+from billing.usage import hour_of, rollup_hours
 from tests.app.conftest import MODEL, Served
-from tests.app.helpers import unique
+from tests.app.helpers import unique, wait_for
+from tests.app.test_budgets_api import PRICES as BUDGET_PRICES
+from tests.app.test_budgets_api import chat, costs
 from tests.billing.test_usage_queries import make_event
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -146,6 +152,44 @@ def test_tenant_usage_by_hour_is_live(served: Served, world: World) -> None:
     assert [(d["hour"], d["prompt_tokens"]) for d in r.json()["data"]] == [("2025-04-02T10:00:00Z", 42)]
 
 
+def test_tenant_usage_by_batch_splits_batches_from_interactive(
+    served: Served, admin: httpx.Client, world: World
+) -> None:
+    """group_by=batch: interactive requests in one row (batch_id null), then one row per batch, this
+    tenant's own only; the admin view too."""
+    day = T0 + timedelta(days=2)  # a period of its own: the world's other tests keep their totals
+    batch = unique("batch_")
+    with served.services.session_factory() as s, s.begin():
+        s.add_all(
+            [
+                make_event(world.a, day, prompt_tokens=7, completion_tokens=1),
+                make_event(world.a, day + timedelta(minutes=1), batch_id=batch, prompt_tokens=20,
+                           completion_tokens=3),
+                make_event(world.a, day + timedelta(minutes=2), batch_id=batch, prompt_tokens=30,
+                           completion_tokens=4),
+                make_event(world.b, day, batch_id=unique("batch_"), prompt_tokens=99),
+            ]
+        )  # fmt: skip
+    period = {"start": day.isoformat(), "end": (day + timedelta(hours=1)).isoformat(), "group_by": "batch"}
+    with world.as_tenant(world.a_key) as client:
+        r = client.get("/v1/usage", params=period)
+    assert r.status_code == 200, r.text
+    assert r.json()["group_by"] == "batch"
+    rows = [
+        (d["tenant_id"], d["batch_id"], d["base_model"], d["requests"], d["prompt_tokens"],
+         d["completion_tokens"])
+        for d in r.json()["data"]
+    ]  # fmt: skip
+    assert rows == [(world.a, None, None, 1, 7, 1), (world.a, batch, None, 2, 50, 7)]
+    across = admin.get("/admin/usage", params=period).json()["data"]
+    assert {(d["tenant_id"], d["batch_id"] is None) for d in across} >= {
+        (world.a, True), (world.a, False), (world.b, False)
+    }  # fmt: skip
+    with world.as_tenant(world.a_key) as client:
+        by_model = client.get("/v1/usage", params={**period, "group_by": "model"}).json()["data"]
+    assert [d["batch_id"] for d in by_model] == [None]  # other groupings do not split by batch
+
+
 @pytest.mark.parametrize(
     ("params", "param", "words"),
     [
@@ -217,10 +261,10 @@ def test_bill_as_json_with_decimal_strings(admin: httpx.Client, world: World) ->
     base, support = bill["lines"]
     # base: 1,234,577 input tokens x 0.15 / 1M = 0.18518655 -> 0.185187 (half even)
     assert base == {
-        "base_model": MODEL, "adapter_id": None, "adapter": "base", "requests": 2,
+        "base_model": MODEL, "adapter_id": None, "adapter": "base", "currency": "eur", "requests": 2,
         "input_tokens": 1_234_577, "cached_input_tokens": 0, "output_tokens": 0, "gpu_seconds": "0.000000",
         "input_cost": "0.185187", "cached_input_cost": "0.000000", "output_cost": "0.000000",
-        "gpu_cost": "0.000000", "total": "0.185187",
+        "gpu_cost": "0.000000", "adjustment": "0.000000", "total": "0.185187",
     }  # fmt: skip
     # support: input 60 -> 0.000009; cached 40 -> 0.000003; output 1M x 0.6 = 0.6; 2 s x 0.000123
     assert (support["adapter"], support["adapter_id"], support["gpu_seconds"]) == (
@@ -321,3 +365,79 @@ def test_stripe_customer_on_tenants(admin: httpx.Client, served: Served) -> None
     assert (kept["stripe_customer_id"], kept["rpm"]) == ("cus_T3st", None)
     cleared = admin.patch(f"/admin/tenants/{tenant_id}", json={"stripe_customer_id": None})
     assert cleared.json()["stripe_customer_id"] is None
+
+
+# --- rollups keep currencies apart -----------------------------------------------------------------------
+
+
+def rollups_of(served: Served, tenant_id: str) -> list[UsageRollup]:
+    with served.services.session_factory() as s:
+        return list(s.scalars(select(UsageRollup).where(UsageRollup.tenant_id == tenant_id)))
+
+
+def event_hours(served: Served, tenant_id: str) -> dict[tuple[datetime, str], Decimal]:
+    """(hour, currency) -> the settled costs of the tenant's usage rows."""
+    sums: dict[tuple[datetime, str], Decimal] = {}
+    with served.services.session_factory() as s:
+        for row in s.scalars(select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)):
+            assert row.cost is not None and row.currency is not None
+            key = (hour_of(row.started_at), row.currency)
+            sums[key] = sums.get(key, Decimal(0)) + Decimal(str(row.cost))
+    return sums
+
+
+def test_a_postpaid_tenants_currency_change_keeps_each_currency_in_its_own_rollup(
+    served: Served, admin: httpx.Client
+) -> None:
+    """Issue 35, item 8: a postpaid tenant's tier may change currency; its usage in that hour was summed
+    into one rollup, usd and eur added together, and exported as one amount. Each currency is its own."""
+    tier = unique("currency")
+    assert admin.post("/admin/tiers", json={"name": tier, **BUDGET_PRICES}).status_code == 201
+    tenant_id, key = served.new_tenant(unique("c"), tier=tier)
+    assert chat(served, key, max_tokens=3).status_code == 200
+    wait_for(lambda: len(costs(served, tenant_id)) == 1)
+    assert admin.patch(f"/admin/tiers/{tier}", json={"currency": "eur"}).status_code == 200
+    time.sleep(served.services.settings.auth_cache_ttl_s * 2)  # the price cache's TTL
+    assert chat(served, key, max_tokens=3).status_code == 200
+    wait_for(lambda: len(costs(served, tenant_id)) == 2)
+    settled = event_hours(served, tenant_id)
+    assert {currency for _, currency in settled} == {"usd", "eur"}
+    hours = sorted(hour for hour, _ in settled)
+    with served.services.session_factory() as s, s.begin():
+        rollup_hours(s, start=hours[0], end=hours[-1] + timedelta(hours=1))
+    rollups = rollups_of(served, tenant_id)
+    assert [(r.hour, r.cost_micros) for r in rollups if len(settled) > len(rollups)] == []  # none mixed
+    rolled = {(r.hour, r.currency): r.cost_micros for r in rollups}
+    assert rolled == {key: to_micros(cost) for key, cost in settled.items()}
+
+
+def test_tenant_usage_shows_its_stored_bytes_against_its_tiers_quota(
+    served: Served, admin: httpx.Client
+) -> None:
+    """Issue 35: storage in GET /v1/usage: the tenant's live stored responses' bytes (what the quota reads),
+    the tier's quota; another tenant's stored responses are not in it, and /admin/usage has none."""
+    tier = admin.post("/admin/tiers", json={"name": unique("stored"), "max_stored_response_bytes": 1_000_000})
+    assert tier.status_code == 201, tier.text
+    a, a_key = served.new_tenant(unique("a"), tier=tier.json()["name"])
+    _, b_key = served.new_tenant(unique("b"))
+    headers = {"authorization": f"Bearer {a_key}"}
+    for _ in range(2):
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+        assert (
+            httpx.post(f"{served.url}/v1/responses", headers=headers, json=body, timeout=60).status_code
+            == 200
+        )
+    with served.services.session_factory() as s:
+        stored = sum(s.scalars(select(StoredResponse.size_bytes).where(StoredResponse.tenant_id == a)))
+    assert stored > 0
+    r = httpx.get(f"{served.url}/v1/usage", headers=headers, params=PERIOD)
+    assert r.status_code == 200, r.text
+    assert r.json()["storage"] == {
+        "object": "usage.storage",
+        "stored_response_bytes": stored,
+        "file_bytes": 0,
+        "max_stored_response_bytes": 1_000_000,
+    }
+    r = httpx.get(f"{served.url}/v1/usage", headers={"authorization": f"Bearer {b_key}"}, params=PERIOD)
+    assert r.json()["storage"]["stored_response_bytes"] == 0
+    assert admin.get("/admin/usage", params=PERIOD).json()["storage"] is None

@@ -258,7 +258,13 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
         {"min_tokens": 2, "response_format": {"type": "json_object"}},
         "min_tokens",
     ),
-    ("a reasoning effort", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("a reasoning effort", {"reasoning_effort": "high"}, "reasoning_effort"),  # this model does not think
+    ("thinking on", {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    (
+        "a template argument not served",
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs",
+    ),
     ("an unknown service tier", {"service_tier": "gold"}, "service_tier"),
     ("an image modality", {"modalities": ["text", "audio"]}, "modalities"),
     ("an unknown field", {"best_of_luck": 1}, "best_of_luck"),

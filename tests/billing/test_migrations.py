@@ -2,6 +2,7 @@
 
 import io
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -150,4 +151,70 @@ def test_sqlite_batch_migration_keeps_referencing_rows(sqlite_url: str, tmp_path
         assert s.get(Tenant, tenant.id) is not None
     with engine.connect() as connection:
         assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    engine.dispose()
+
+
+def test_0011_dates_existing_prepaid_tenants_from_their_first_credit_entry(database_url: str) -> None:
+    """A tenant prepaid before 0010 became so at its first credit entry (where the Stripe export already
+    counted its prepaid usage from); a postpaid one stays without a date."""
+    upgrade(database_url, "0010")
+    engine = make_engine(database_url)
+    utc = "+00:00" if engine.dialect.name == "postgresql" else ""  # SQLite keeps UTC text without one
+    first, later = f"2026-11-01 09:30:00{utc}", f"2026-11-05 12:00:00{utc}"
+    with engine.begin() as connection:
+        for tenant, prepaid in (("ten_pre", True), ("ten_post", False)):
+            connection.execute(
+                sa.text("INSERT INTO tenants (id, name, tier, status, created_at, updated_at, prepaid) "
+                        "VALUES (:id, :id, 'free', 'active', :at, :at, :prepaid)"),
+                {"id": tenant, "at": first, "prepaid": prepaid},
+            )  # fmt: skip
+        for entry, at in (("cre_2", later), ("cre_1", first)):
+            connection.execute(
+                sa.text("INSERT INTO credit_entries (id, tenant_id, amount, currency, kind, reason, actor, "
+                        "created_at) VALUES (:id, 'ten_pre', 5, 'usd', 'topup', '', 'ops', :at)"),
+                {"id": entry, "at": at},
+            )  # fmt: skip
+    upgrade(database_url)
+    with session_scope(make_session_factory(engine)) as s:
+        pre, post = s.get(Tenant, "ten_pre"), s.get(Tenant, "ten_post")
+        assert pre is not None and post is not None
+        assert pre.prepaid_since == datetime(2026, 11, 1, 9, 30, tzinfo=UTC)
+        assert post.prepaid_since is None
+    engine.dispose()
+
+
+def test_0011_gives_existing_rollups_their_rows_currency_and_keeps_their_ids(database_url: str) -> None:
+    upgrade(database_url, "0010")
+    engine = make_engine(database_url)
+    utc = "+00:00" if engine.dialect.name == "postgresql" else ""
+    hour, other = f"2026-11-01 09:00:00{utc}", f"2026-11-01 10:00:00{utc}"
+    with engine.begin() as connection:
+        connection.execute(
+            sa.text("INSERT INTO tiers (name, description, created_at, on_limit, max_queue_ms, "
+                    "price_input_per_mtok, price_cached_input_per_mtok, price_output_per_mtok, "
+                    "price_gpu_per_second, currency, weight) VALUES ('euro', '', :at, 'reject', "
+                    "0, 0, 0, 0, 0, 'eur', 1)"), {"at": hour},
+        )  # fmt: skip
+        connection.execute(
+            sa.text("INSERT INTO tenants (id, name, tier, status, created_at, updated_at, prepaid) "
+                    "VALUES ('ten_a', 'a', 'euro', 'active', :at, :at, false)"), {"at": hour},
+        )  # fmt: skip
+        connection.execute(
+            sa.text("INSERT INTO usage_events (request_id, tenant_id, key_id, model, base_model, status, "
+                    "prompt_tokens, cached_tokens, completion_tokens, gpu_ms, queue_ms, latency_ms, "
+                    "started_at, finished_at, recorded_at, cost, currency) VALUES ('r1', 'ten_a', 'k', 'm', "
+                    "'m', 'completed', 1, 0, 1, 0, 0, 1, :at, :at, :at, 0.5, 'usd')"),
+            {"at": f"2026-11-01 09:59:00{utc}"},
+        )  # fmt: skip
+        for rid, at in (("ru_old_usd", hour), ("ru_old_none", other)):
+            connection.execute(
+                sa.text("INSERT INTO usage_rollups (id, tenant_id, adapter_key, base_model, hour, requests, "
+                        "prompt_tokens, cached_tokens, completion_tokens, gpu_ms, updated_at, cost_micros) "
+                        "VALUES (:id, 'ten_a', 'base', 'm', :at, 1, 1, 0, 1, 0, :at, 500000)"),
+                {"id": rid, "at": at},
+            )  # fmt: skip
+    upgrade(database_url)
+    with engine.connect() as connection:
+        rows = connection.execute(sa.text("SELECT id, currency FROM usage_rollups ORDER BY id")).all()
+    assert [tuple(row) for row in rows] == [("ru_old_none", "eur"), ("ru_old_usd", "usd")]
     engine.dispose()

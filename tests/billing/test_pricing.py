@@ -7,14 +7,18 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing import pricing
 from billing import repository as repo
 from billing.db import session_scope
 from billing.errors import InvalidLimits, InvalidPrice, InvalidStripeCustomer, TenantNotFound
-from billing.models import Tier
-from billing.pricing import InvalidPeriod, bill, gpu_cost, gpu_seconds_of, ms_decimal, token_cost
+from billing.micros import to_micros
+from billing.models import PriceChange, Tier, UsageRollup
+from billing.price_book import Metered, cost_of, prices_at
+from billing.pricing import InvalidPeriod, Prices, bill, gpu_cost, gpu_seconds_of, ms_decimal, token_cost
+from billing.stripe_export import meter_values
 from billing.usage import rollup_hours
 from tests.billing.test_usage_queries import MODEL, make_adapter, make_event
 
@@ -274,7 +278,7 @@ def test_bill_is_reproducible_and_made_of_rollups_only(session_factory: sessionm
     assert again.totals.input_cost == first.totals.input_cost + Decimal("0.75")
 
 
-def test_bill_uses_the_tiers_current_prices_and_only_its_tenant(
+def test_bill_keeps_the_settled_costs_after_a_reprice_and_only_its_tenant(
     session_factory: sessionmaker[Session],
 ) -> None:
     with session_scope(session_factory) as s:
@@ -289,8 +293,113 @@ def test_bill_uses_the_tiers_current_prices_and_only_its_tenant(
             bill(s, tenant_id="ten_missing", start=T0, end=T0 + timedelta(hours=1))
         with pytest.raises(InvalidPeriod):
             bill(s, tenant_id=ids["a"], start=T0 + timedelta(minutes=1), end=T0 + timedelta(hours=1))
-    assert a_bill.currency == "eur"
-    assert a_bill.totals.total == Decimal("0.200026")  # 200,026 output tokens at 1 per million
+    # The usage was settled in usd at the first prices; the tier's eur prices are shown, not charged.
+    assert (a_bill.currency, a_bill.prices.currency, a_bill.prices.output_per_mtok) == (
+        "usd",
+        "eur",
+        Decimal(1),
+    )
+    assert a_bill.totals.total == Decimal("0.437734")  # as before the change
     assert [line.requests for line in b_bill.lines] == [1] and b_bill.totals.output_tokens == 9_000_000
-    assert b_bill.totals.total == Decimal("9.000000")
+    assert b_bill.totals.total == Decimal("7.857000")  # 9M x 0.15 + 9M x 0.6 + 9,000 s x 0.000123
     assert empty.lines == [] and empty.totals.total == 0 and str(empty.totals.total) == "0.000000"
+
+
+def settled(b: pricing.Bill) -> tuple[str, list[pricing.BillLine], pricing.BillTotals]:
+    """What a bill charges (its `prices` are the tier's current ones, for reference)."""
+    return b.currency, b.lines, b.totals
+
+
+def test_a_reprice_changes_no_earlier_bill_and_bills_equal_the_export(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """Issue 35, item 7: usage settled at the prices in force, then the tier repriced. Every earlier bill is
+    unchanged (after the hours are rolled up again too), and each line's total is what the Stripe cost
+    meter was sent for its rollups (the settled costs), not the quantities at the tier's current prices."""
+    with session_scope(session_factory) as s:
+        repo.create_tier(s, name="metered", **PRICES)
+        a = repo.create_tenant(s, name="a", tier="metered").id
+        support = make_adapter(s, a, "support")
+        for row in s.scalars(select(PriceChange).where(PriceChange.tier == "metered")):
+            row.effective_from = T0 - timedelta(days=1)  # the tier's prices were in force when it was used
+        used = [
+            (T0, None, Metered(1_000_000, 234_567, 200_000, 1000.1)),
+            (T0 + timedelta(minutes=30), None, Metered(1_234_567, 0, 1, 0.2)),
+            (T0 + timedelta(minutes=31), None, Metered(3, 0, 3, 0.3)),
+            (T0 + timedelta(hours=1), None, Metered(10, 0, 0, 0.1)),
+            (T0 + timedelta(minutes=1), support, Metered(3, 1, 25, 2.5)),
+        ]
+        for started_at, adapter_id, metered in used:  # settled as the request lifecycle settles them
+            prices = prices_at(s, tenant_id=a, base_model=MODEL, adapter_id=adapter_id, at=started_at)
+            s.add(make_event(a, started_at, adapter_id=adapter_id, prompt_tokens=metered.prompt_tokens,
+                             cached_tokens=metered.cached_tokens, completion_tokens=metered.completion_tokens,
+                             gpu_ms=metered.gpu_ms, cost=cost_of(metered, prices),
+                             currency="usd"))  # fmt: skip
+        s.flush()
+        rollup_hours(s, start=T0, end=T0 + timedelta(hours=2))
+    periods = [(T0, T0 + timedelta(hours=1)), (T0, T0 + timedelta(hours=2))]
+    with session_factory() as s:
+        before = [settled(bill(s, tenant_id=a, start=start, end=end)) for start, end in periods]
+        exported = {
+            (r.base_model, r.adapter_key, r.hour): meter_values(r)["cost"]
+            for r in s.scalars(select(UsageRollup))
+        }
+    with session_scope(session_factory) as s:
+        repo.update_tier(s, name="metered", price_input_per_mtok="9", price_cached_input_per_mtok="9",
+                         price_output_per_mtok="9", price_gpu_per_second="9")  # fmt: skip
+    with session_factory() as s:
+        assert [settled(bill(s, tenant_id=a, start=start, end=end)) for start, end in periods] == before
+    with session_scope(session_factory) as s:
+        rollup_hours(s, start=T0, end=T0 + timedelta(hours=2))
+    with session_factory() as s:
+        assert [settled(bill(s, tenant_id=a, start=start, end=end)) for start, end in periods] == before
+    for (start, end), (_, lines, totals) in zip(periods, before, strict=True):
+        for line in lines:
+            key = line.adapter_id or "base"
+            sent = sum(
+                v for (m, k, hour), v in exported.items() if (m, k) == (MODEL, key) and start <= hour < end
+            )
+            assert to_micros(line.total) == sent
+        assert to_micros(totals.total) == sum(v for (_, _, h), v in exported.items() if start <= h < end)
+    first = Prices("metered", "usd", *(Decimal(v) for v in PRICES.values()))
+    assert before[1][2].total == sum(cost_of(m, first) for _, _, m in used)  # the settled costs
+
+
+def test_a_bill_is_in_one_currency_and_its_lines_add_up(session_factory: sessionmaker[Session]) -> None:
+    """A postpaid tenant's usage settled in usd, then in eur (its tier changed currency): a bill spanning
+    both is refused naming `end`; each side is billed in its own currency. Each line's parts plus its
+    adjustment are its settled total."""
+    with session_scope(session_factory) as s:
+        repo.create_tier(s, name="metered", **PRICES)
+        a = repo.create_tenant(s, name="a", tier="metered").id
+        s.add_all(
+            [
+                make_event(
+                    a, T0, prompt_tokens=3, completion_tokens=3, cost=Decimal("0.000003"), currency="usd"
+                ),
+                make_event(
+                    a, T0, prompt_tokens=3, completion_tokens=3, cost=Decimal("0.000003"), currency="usd"
+                ),
+                make_event(a, T0 + timedelta(hours=1), cost=Decimal("2.5"), currency="eur"),
+            ]
+        )
+        s.flush()
+        rollup_hours(s, start=T0, end=T0 + timedelta(hours=2))
+    with session_factory() as s:
+        with pytest.raises(InvalidPeriod) as refused:
+            bill(s, tenant_id=a, start=T0, end=T0 + timedelta(hours=2))
+        usd = bill(s, tenant_id=a, start=T0, end=T0 + timedelta(hours=1))
+        eur = bill(s, tenant_id=a, start=T0 + timedelta(hours=1), end=T0 + timedelta(hours=2))
+    assert refused.value.param == "end" and "eur and usd" in str(refused.value)
+    assert (usd.currency, [line.currency for line in usd.lines], usd.totals.total) == (
+        "usd",
+        ["usd"],
+        Decimal("0.000006"),
+    )
+    assert (eur.currency, eur.totals.total) == ("eur", Decimal("2.500000"))
+    for line in [*usd.lines, *eur.lines]:
+        parts = line.input_cost + line.cached_input_cost + line.output_cost + line.gpu_cost
+        assert parts + line.adjustment == line.total
+    # 6 input tokens at 0.15 and 6 output tokens at 0.6 a million, in one rollup: 0.000001 + 0.000004,
+    # where each request settled at 0.000003 (its own roundings): the adjustment shows the micro-unit
+    assert usd.lines[0].adjustment == Decimal("0.000001")

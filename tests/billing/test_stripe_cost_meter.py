@@ -117,6 +117,9 @@ def test_prepaid_usage_is_never_invoiced_and_the_log_accounts_for_it(
     with session_scope(sessions) as s:
         entry = credit.add_credit(s, tenant_id="ten_pre", amount="10", kind="topup", reason="t", actor="ops")
         entry.created_at = base - timedelta(hours=3, minutes=-20)  # topped up 20 minutes into hour -3
+        tenant = s.get(Tenant, "ten_pre")
+        assert tenant is not None and tenant.prepaid_since is not None
+        tenant.prepaid_since = entry.created_at  # the top-up made it prepaid
     hours = (4, 3, 2)  # -4: postpaid, invoiced; -3 (the top-up's hour) and -2: prepaid
     records = [priced(usage("ten_pre", at(now, h, 10), 100, 10, 50, 5.0), TIER) for h in hours]
     add_usage(sessions, records, now)

@@ -127,7 +127,7 @@ def test_by_model(s: Session, world: dict[str, str]) -> None:
     assert [(r.base_model, counts(r)) for r in rows] == [("other", (1, 10, 0, 5)), (MODEL, (4, 131, 40, 16))]
 
 
-@pytest.mark.parametrize("group_by", ["hour", "adapter", "model"])
+@pytest.mark.parametrize("group_by", ["hour", "adapter", "model", "batch"])
 def test_a_tenant_sees_only_its_own_rows(s: Session, world: dict[str, str], group_by: Any) -> None:
     for me, other in (("a", "b"), ("b", "a")):
         rows = usage(s, tenant_id=world[me], start=T0, end=END, group_by=group_by)

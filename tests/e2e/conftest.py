@@ -103,6 +103,13 @@ class ServeApp:
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         serve_status_wait()
 
+    def deploy_default(self) -> None:
+        """The app as the session starts it: both tiny models on default engine settings."""
+        self.deploy({"models": [
+            {"name": "tiny-llama", "engine": engine_settings(self.setups["llama"])},
+            {"name": "tiny-qwen2", "engine": engine_settings(self.setups["qwen2"])},
+        ]})  # fmt: skip
+
 
 def in_background(delay_s: float, fault: Callable[[], T]) -> "Future[T]":
     """Run `fault` in another thread after `delay_s`; `.result()` returns its value or raises its error, so
@@ -196,14 +203,7 @@ def serve_app(
         postgres_database=None if database_url.startswith("sqlite") else make_url(database_url).database,
         admin_url=f"http://127.0.0.1:{admin_port}",
     )
-    app.deploy(
-        {
-            "models": [
-                {"name": "tiny-llama", "engine": engine_settings(tiny_setups["llama"])},
-                {"name": "tiny-qwen2", "engine": engine_settings(tiny_setups["qwen2"])},
-            ]
-        }
-    )
+    app.deploy_default()
     try:
         yield app
     finally:

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from app.schemas.openai import ChatMessage
 from app.served_models.prompts import PromptBuilder
 from bench.admin_upload import post_adapter
-from tests.e2e.conftest import ServeApp
+from tests.e2e.conftest import ServeApp, engine_settings
 from tests.engine.reference import PeftReference
 
 PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a story"}]
@@ -136,3 +136,31 @@ def test_public_adapter_on_the_second_base_model(serve_app: ServeApp) -> None:
     cards = {m.id: m for m in client.models.list().data}
     assert f"public/{name}" in cards
     assert chat(client, f"public/{name}") == expected(serve_app, "qwen2", "demo-poet")
+
+
+FAMILIES = {  # arch -> the modules its demo adapter targets (Phi-3's q/k/v and gate/up are fused linears)
+    "phi3": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"],
+    "qwen3": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+    "gemma3_text": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+}
+
+
+@pytest.mark.slow
+def test_an_adapter_on_each_current_family_serves_peft(serve_app: ServeApp) -> None:
+    """Phi-3, Qwen3 and Gemma 3 through `serve run` (one deploy, a model each, on our forward): an adapter
+    uploaded over HTTP serves PEFT's greedy text."""
+    setups = serve_app.setups
+    models = [{"name": f"tiny-{arch}", "engine": engine_settings(setups[arch])} for arch in FAMILIES]
+    serve_app.deploy({"models": models})
+    try:
+        tenant_id, key = serve_app.new_tenant(f"fam-{uuid.uuid4().hex[:8]}")
+        client = OpenAI(base_url=f"{serve_app.url}/v1", api_key=key, max_retries=0, timeout=60)
+        for arch, targets in FAMILIES.items():
+            name = f"pirate-{arch.replace('_', '-')}"
+            made = upload(serve_app, name, tenant_id, serve_app.setups[arch].adapter_dirs["demo-pirate"],
+                          f"tiny-{arch}")  # fmt: skip
+            assert made.status_code == 201, made.text
+            assert made.json()["target_modules"] == targets
+            assert chat(client, name) == expected(serve_app, arch, "demo-pirate"), arch
+    finally:
+        serve_app.deploy_default()

@@ -26,10 +26,7 @@ def fresh_app(serve_app: ServeApp) -> Iterator[ServeApp]:
     engine = engine_settings(serve_app.setups["llama"], max_num_seqs=15)
     serve_app.deploy({"models": [{"name": "tiny-llama", "engine": engine}]})
     yield serve_app
-    serve_app.deploy({"models": [
-        {"name": "tiny-llama", "engine": engine_settings(serve_app.setups["llama"])},
-        {"name": "tiny-qwen2", "engine": engine_settings(serve_app.setups["qwen2"])},
-    ]})  # fmt: skip
+    serve_app.deploy_default()
 
 
 def sessions(app: ServeApp) -> Any:

@@ -295,7 +295,10 @@ def test_truncation_auto_drops_old_turns_and_disabled_refuses(serve_app: ServeAp
         ),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "hi", "background": True}, "background"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        (
+            {"input": [{"type": "reasoning", "summary": [], "content": "x"}]},
+            "input",
+        ),  # reasoning items are read
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": "hi", "modalities": ["text"]}, "modalities"),
     ],

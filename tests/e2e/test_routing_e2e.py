@@ -98,10 +98,7 @@ def adapters(serve_app: ServeApp) -> Iterator[tuple[str, list[str]]]:
         assert made.status_code == 201, made.text
         names.append(f"public/r{tag}-{i}")
     yield key, names
-    serve_app.deploy({"models": [
-        {"name": "tiny-llama", "engine": engine_settings(serve_app.setups["llama"])},
-        {"name": "tiny-qwen2", "engine": engine_settings(serve_app.setups["qwen2"])},
-    ]})  # fmt: skip
+    serve_app.deploy_default()
 
 
 @pytest.mark.slow

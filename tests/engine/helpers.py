@@ -3,11 +3,13 @@
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from adapters.ref import AdapterRef
 from deployments.engine.config import EngineConfig
-from deployments.engine.interface import AsyncEngine
+from deployments.engine.interface import AsyncEngine, EngineRequest, SamplingParams
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.outputs import RequestOutput
 from tests.model_fixtures import TinySetup
@@ -80,3 +82,21 @@ def copy_adapter(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst)
     return dst
+
+
+def queued_adapters(setup: TinySetup) -> tuple[LLMEngine, list[AdapterRef]]:
+    """An engine with one slot and one row whose stats name two adapters, and adapters x, y, z, w: x's
+    request runs; y queues three requests, z two and w one (in that order), and the queue figures are fresh.
+    The caller drains and closes it."""
+    engine = make_engine(setup, max_loras=1, max_num_seqs=1, stats_top_adapters=2, adapter_wait_bound_s=0)
+    preload(engine, setup)
+    refs = [setup.refs[n] for n in ("demo-sql", "demo-poet", "demo-pirate", "demo-chef")]
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    engine.add_request(EngineRequest("x-0", [11, 12, 13], replace(params, max_tokens=8), refs[0]))
+    engine.step()
+    for ref, count in zip(refs[1:], (3, 2, 1), strict=True):
+        for i in range(count):
+            engine.add_request(EngineRequest(f"{ref}-{i}", [20 + i, 30, 40], params, ref))
+    engine.step()  # a scheduling pass orders the rotation
+    engine._queue_stats = None  # the queue figures are refreshed at most every 0.5 s: now
+    return engine, refs

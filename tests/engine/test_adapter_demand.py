@@ -35,7 +35,7 @@ def test_adapters_of_queued_requests_load_into_cpu_memory_before_their_turn(llam
 
 
 def test_the_slot_no_queued_request_wants_drains_for_a_cold_adapter(llama: TinySetup) -> None:
-    engine = make_engine(llama, max_loras=2, max_num_seqs=3)
+    engine = make_engine(llama, max_loras=2, max_num_seqs=3, adapter_min_residency_s=0)
     preload(engine, llama)
     hot, other, cold = (llama.refs[n] for n in ("demo-chef", "demo-sql", "demo-poet"))
     engine.add_request(EngineRequest("hot-0", [1, 2], greedy(40), hot))  # one user of the hot slot
@@ -55,7 +55,7 @@ def test_the_slot_no_queued_request_wants_drains_for_a_cold_adapter(llama: TinyS
 
 
 def test_a_cold_adapter_waits_a_bounded_time_under_a_flood_of_hot_requests(llama: TinySetup) -> None:
-    engine = make_engine(llama, max_loras=2, max_num_seqs=4)
+    engine = make_engine(llama, max_loras=2, max_num_seqs=4, adapter_min_residency_s=0)
     preload(engine, llama)
     hot = [llama.refs["demo-chef"], llama.refs["demo-sql"]]
     cold = llama.refs["demo-poet"]
@@ -86,7 +86,7 @@ def test_an_overdue_adapter_takes_a_busy_slot_and_the_preempted_request_resumes_
     expected = [t for o in drain(solo)["long"] for t in o.token_ids]
     solo.close()
 
-    engine = make_engine(llama, max_loras=1, adapter_wait_bound_s=0.2)
+    engine = make_engine(llama, max_loras=1, adapter_wait_bound_s=0.2, adapter_min_residency_s=0.2)
     preload(engine, llama)
     engine.add_request(EngineRequest("long", prompt, greedy(120), hot))
     outputs: dict[str, list[int]] = {"long": [], "cold": []}

@@ -1,4 +1,5 @@
-"""BlockManager: block allocation, the chained prefix cache and its scoping, LRU eviction, ref counts."""
+"""BlockManager: block allocation, the chained prefix cache and its scoping, eviction (LRU within a scope,
+the scope holding the most first), ref counts."""
 
 import random
 from collections import Counter
@@ -32,7 +33,10 @@ def check_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:
     """Every block is in exactly one state and every counter agrees with the block tables."""
     free = list(bm._free)
     free_set = set(free)
-    evictable = set(bm._evictable)
+    evictable = {block for blocks in bm._evictable.values() for block in blocks}
+    for scope, blocks in bm._evictable.items():
+        assert blocks, f"scope {scope!r} has an empty evictable list"
+        assert all(bm._scope[block] == scope for block in blocks), f"a block of scope {scope!r} is misfiled"
     assert len(free_set) == len(free), "a block is twice on the free list"
     refs: Counter[int] = Counter()
     for seq in seqs:
@@ -502,7 +506,7 @@ def test_twins_free_in_either_order(a_first: bool) -> None:
         check_invariants(bm, [s for s in (a, b) if s.block_table])
     assert bm.num_free_blocks == 6
     # Twin b's duplicate blocks were never registered, so they went back to the free list.
-    assert len(bm._evictable) == 2
+    assert bm._num_evictable == 2
     assert len(bm._free) == 4
 
 
@@ -568,3 +572,36 @@ def test_random_operations_keep_the_books_consistent(seed: int) -> None:
     check_invariants(bm, [])
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.prefix_hits > 0  # the workload did exercise the cache
+
+
+def test_a_scope_flooding_the_cache_evicts_its_own_blocks_before_another_scopes() -> None:
+    # quiet caches a 3-block prefix and goes idle; flood then streams distinct prompts through the whole
+    # cache. Plain LRU would evict quiet's blocks first (the oldest); the fair order takes flood's own.
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    quiet = make_seq(range(100, 113), cache_salt="quiet")  # 3 full blocks + 1 token
+    bm.allocate(quiet, len(quiet.token_ids))
+    compute(bm, quiet)
+    bm.free(quiet)
+    for i in range(10):
+        flood = make_seq(range(1000 + 40 * i, 1013 + 40 * i), cache_salt="flood")
+        bm.match_prefix(flood)
+        assert bm.allocate(flood, len(flood.token_ids))
+        compute(bm, flood)
+        bm.free(flood)
+        check_invariants(bm, [])
+    again = make_seq(range(100, 113), cache_salt="quiet")
+    assert bm.match_prefix(again) == 3 * BS  # every block of its prefix survived the flood
+
+
+def test_under_pressure_every_scope_keeps_an_equal_share() -> None:
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    for i, scope in enumerate(("a", "b", "c")):  # 3 cached blocks each (and a partial one, freed)
+        seq = make_seq(range(100 * i, 100 * i + 13), cache_salt=scope)
+        bm.allocate(seq, len(seq.token_ids))
+        compute(bm, seq)
+        bm.free(seq)
+    assert {s: len(b) for s, b in bm._evictable.items()} == {"a": 3, "b": 3, "c": 3}
+    taker = make_seq(range(2000, 2024), cache_salt="d")  # 6 blocks: the 3 free, then 1 from each scope
+    assert bm.allocate(taker, len(taker.token_ids))
+    assert {s: len(b) for s, b in bm._evictable.items()} == {"a": 2, "b": 2, "c": 2}
+    check_invariants(bm, [taker])

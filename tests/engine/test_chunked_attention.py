@@ -3,7 +3,8 @@ the split path gives (decode rows batched, one SDPA call per prefill span), toke
 
 Runs on every machine: the chunk attention here is the plain-torch reference of the kernel's tests, fed the
 engine's own chunk metadata (first rows, lengths, contexts, block tables), in mixed steps with decode rows,
-cached prefixes that end mid-block, prompt logprobs and (Mistral) a sliding window shorter than a prompt.
+cached prefixes that end mid-block, prompt logprobs and (Mistral; Qwen3 and Gemma 3 in some layers) a sliding
+window shorter than a prompt.
 The kernel itself runs in tests/engine/test_prefill_attention.py.
 """
 
@@ -78,7 +79,7 @@ def run(setup: TinySetup, ops: TorchOps, monkeypatch: pytest.MonkeyPatch) -> dic
     }
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3_text"])
 def test_steps_built_as_chunks_equal_the_split_path(
     tiny_setups: dict[str, TinySetup], arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

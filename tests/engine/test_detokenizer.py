@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from deployments.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from deployments.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer, backend_decode
 
 WORDS = [
     *["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "stop", "model"] * 2,
@@ -377,3 +377,38 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 BYTE_TO_CHAR = _bytes_to_unicode()
+
+
+# -- the Rust decode, called directly ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["byte_bpe", "metaspace", "byte_fallback"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_decode_is_transformers_decode_without_clean_up(name: str, skip: bool, request) -> None:
+    tokenizer = request.getfixturevalue(name)
+    decode = backend_decode(tokenizer)
+    assert decode is not None
+    rnd = random.Random(7)
+    specials = tokenizer.convert_tokens_to_ids(SPECIALS)
+    for _ in range(200):
+        ids = [rnd.choice([*specials, rnd.randrange(len(tokenizer))]) for _ in range(rnd.randint(0, 12))]
+        want = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        assert decode(ids, skip) == want
+
+
+class ReversingTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer whose own `_decode` differs from the Rust decode (as some model tokenizers' do)."""
+
+    def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
+        text = super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs)
+        return text[::-1]
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(byte_bpe) -> None:
+    own = ReversingTokenizer(  # type: ignore[no-untyped-call]
+        tokenizer_object=byte_bpe.backend_tokenizer, clean_up_tokenization_spaces=False
+    )
+    assert backend_decode(own) is None
+    ids = byte_bpe.encode("hello world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(own, [], skip_special_tokens=True)
+    assert detok._decode(ids) == "dlrow olleh"  # the tokenizer's decode, not the Rust one

@@ -27,7 +27,7 @@ def make_batch(lengths: dict[int, int], max_loras: int) -> LoRABatch:
         ends.append(cursor)
     return LoRABatch(
         num_lora_tokens=cursor,
-        offsets=torch.tensor(ends, dtype=torch.int32),
+        offsets=torch.tensor(ends, dtype=torch.int64),  # as StepInputs builds it (its int64 buffer)
         segments=segments,
         segment_table=torch.tensor(segments, dtype=torch.int64).reshape(-1, 3),
     )

@@ -2,7 +2,11 @@
 
 One run per architecture mixes five adapters (ranks 4-16, different target sets, rsLoRA, rank_pattern) and
 base-model requests arriving at different steps, with fewer device slots than adapters, chunked prefill,
-prefix-cache hits and forced preemptions. The engine's bookkeeping is checked on the same run.
+prefix-cache hits and forced preemptions; every chosen token's logprob is held to PEFT's within 1e-4 (fp32).
+Each architecture runs on our forward (DecoderForward), not HF's: Phi-3 (adapters on its fused qkv_proj and
+gate_up_proj), Qwen3 (q/k norms, sliding layers per layer_types) and Gemma 3 (its norms, GeGLU, local/global
+rope tables, a final softcap) included. The
+engine's bookkeeping is checked on the same run.
 """
 
 from dataclasses import dataclass
@@ -10,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from deployments.engine.config import EngineConfig
 from deployments.engine.interface import EngineRequest
 from deployments.engine.llm_engine import LLMEngine
+from deployments.engine.model.decoder_forward import DecoderForward
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.sampling_params import SamplingParams
 from tests.engine.reference import PeftReference
@@ -29,6 +35,7 @@ class Arrival:
     max_tokens: int
 
 
+TOLERANCE = 1e-4  # fp32 logprobs against PEFT's
 SHARED = list(range(40, 70))  # 30 tokens: 7 full blocks of 4, so a follow-up reuses 28
 
 
@@ -82,22 +89,35 @@ def run_engine(
     return outputs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def assert_equals_peft(
+    reference: PeftReference, arrivals: list[Arrival], outputs: dict[str, list[RequestOutput]], label: str
+) -> None:
+    """Each request's greedy tokens are PEFT's alone, and each chosen token's logprob (SamplingParams
+    logprobs=0) is PEFT's teacher-forced one within TOLERANCE."""
+    for a in arrivals:
+        got = [t for out in outputs[a.request_id] for t in out.token_ids]
+        want = reference.greedy(a.prompt, a.adapter, a.max_tokens)
+        assert got == want, f"{label} {a.request_id} ({a.adapter}) diverged from PEFT"
+        logprobs = [lp.logprob for out in outputs[a.request_id] for lp in out.logprobs or ()]
+        teacher = torch.log_softmax(reference.all_logits([*a.prompt, *got], a.adapter), dim=-1)
+        rows = teacher[len(a.prompt) - 1 : -1]  # the distribution each generated token was chosen from
+        peft = rows.gather(1, torch.tensor(got)[:, None])[:, 0]
+        assert logprobs == pytest.approx(peft.tolist(), abs=TOLERANCE), f"{label} {a.request_id} logprobs"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3", "qwen3", "gemma3_text"])
 def test_mixed_batch_equals_peft_per_request(tiny_setups: dict[str, TinySetup], arch: str) -> None:
     setup = tiny_setups[arch]
     engine = LLMEngine(scenario_config(setup.model_dir, setup.store_root))
+    assert isinstance(engine.runner.forward, DecoderForward), f"{arch} fell back to HF's forward"
     for ref in setup.refs.values():  # loads finishing mid-run would make the schedule timing-dependent
         future = engine.adapters.prefetch(ref)
         if future is not None:
             future.result()
     arrivals = script()
-    outputs = run_engine(engine, arrivals)
+    outputs = run_engine(engine, arrivals, logprobs=0)
 
-    reference = PeftReference(setup.model_dir, setup.adapter_dirs)
-    for a in arrivals:
-        got = [t for out in outputs[a.request_id] for t in out.token_ids]
-        want = reference.greedy(a.prompt, a.adapter, a.max_tokens)
-        assert got == want, f"{arch} {a.request_id} ({a.adapter}) diverged from PEFT"
+    assert_equals_peft(PeftReference(setup.model_dir, setup.adapter_dirs), arrivals, outputs, arch)
 
     final = {rid: outs[-1] for rid, outs in outputs.items()}
     assert all(out.finished and out.usage is not None for out in final.values())

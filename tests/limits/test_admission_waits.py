@@ -13,7 +13,7 @@ from app.completions.admission import Admission
 from app.errors import RateLimited, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits, WindowState
 from app.limits.local_backend import LocalLimiter
-from app.limits.protocol import DEFAULT_MAX_WAITERS
+from app.limits.protocol import DEFAULT_MAX_WAITERS, DELIVERY_GRACE_MS
 
 QUEUE = Limits(max_concurrent=1, on_limit="queue", max_queue_ms=2_500)
 ORDINARY = Limits(rpm=100_000, max_concurrent=1_000)
@@ -50,6 +50,9 @@ class Recording:
 
     async def renew(self, tenant: str, request_id: str, limits: Limits) -> None:
         await self.backend.renew(tenant, request_id, limits)
+
+    async def deliver(self, tenant: str, request_id: str) -> None:
+        await self.backend.deliver(tenant, request_id)
 
     async def leave_queue(self, tenant: str, request_id: str) -> None:
         await self.backend.leave_queue(tenant, request_id)
@@ -130,3 +133,37 @@ async def test_a_request_wider_than_its_tier_is_refused_without_waiting(backend:
     assert refused.value.status == 400 and "5 sequences" in refused.value.message
     assert "tier t runs at most 4 sequences at once" in refused.value.message
     assert (await backend.peek("wide")).queued == 0
+
+
+REJECT_ONE = Limits(max_concurrent=1)
+
+
+async def test_a_reject_tier_waits_briefly_only_for_a_stream_being_delivered(backend: LimiterBackend) -> None:
+    """A client that read its stream to the end and sends the next request at once is not refused for
+    the lease the proxy's acknowledgement has not freed yet; a request kept out by a running one is
+    refused at once, and one kept out by a stream nobody reads after the grace, for concurrency."""
+    recording = Recording(backend)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    running = await acquire(recording, tenant, REJECT_ONE)
+    started = time.monotonic()
+    with pytest.raises(RateLimited) as refused:
+        await acquire(recording, tenant, REJECT_ONE)
+    assert "concurrent sequences" in refused.value.message and recording.admits == 2
+    assert time.monotonic() - started < DELIVERY_GRACE_MS / 1000
+
+    await running.delivering()
+    later = asyncio.create_task(acquire(recording, tenant, REJECT_ONE))
+    await asyncio.sleep(0.2)
+    assert not later.done()  # waiting for the delivery's end, not refused
+    await running.release(1)
+    admitted = await asyncio.wait_for(later, 5)
+    assert recording.reasons["delivering"] == 1
+
+    await admitted.delivering()  # never acknowledged: the next request is refused after the grace
+    started = time.monotonic()
+    with pytest.raises(RateLimited) as refused:
+        await acquire(recording, tenant, REJECT_ONE)
+    assert "concurrent sequences" in refused.value.message
+    assert time.monotonic() - started >= DELIVERY_GRACE_MS / 1000 - 0.1
+    assert (await backend.peek(tenant)).queued == 0
+    await admitted.release(1)

@@ -3,10 +3,17 @@ Redis (Lua). Top-up, reserve, settle, refuse, expiry, fail-closed loading and th
 overshoot, each on all three."""
 
 import asyncio
+import threading
+import time
 import uuid
 
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
 from app.budgets.protocol import BudgetBackend, Periods
+from billing import credit, repository
 from billing.credit import BudgetSnapshot
+from billing.micros import to_micros
 
 TENANT = "acme"
 TODAY = Periods(day="day:2026-11-27", month="month:2026-11")
@@ -113,3 +120,73 @@ async def test_concurrent_reservations_never_overshoot(budgets: BudgetBackend) -
     holds = await asyncio.gather(*(budgets.reserve(TENANT, rid(), 1_000, TTL, TODAY) for _ in range(400)))
     assert sum(h.admitted for h in holds) == 25
     assert {h.reason for h in holds if not h.admitted} == {"credit"}
+
+
+async def test_credit_notices_land_once_each_in_any_order(budgets: BudgetBackend) -> None:
+    """Issue 35, item 4: notices come from different replicas, so they race. The probe: -50 then +10
+    delivered in reverse left +10 where the database said -40, and admitted a 5.00 reservation."""
+    await budgets.load(snapshot(balance=0), 0)
+    await budgets.credit(TENANT, 10_000_000, 2)  # the second entry's notice arrives first
+    await budgets.credit(TENANT, -50_000_000, 1)
+    await budgets.credit(TENANT, 10_000_000, 2)  # each again: counted once
+    await budgets.credit(TENANT, -50_000_000, 1)
+    view = await budgets.peek(TENANT, TODAY)
+    assert view is not None and view.balance == -40_000_000
+    refused = await budgets.reserve(TENANT, rid(), 5_000_000, TTL, TODAY)
+    assert (refused.admitted, refused.reason) == (False, "credit")
+    for delta, version in [(30_000_000, 5), (20_000_000, 4), (30_000_000, 5), (5_000_000, 3)]:
+        await budgets.credit(TENANT, delta, version)  # a gap of two, filled late
+    view = await budgets.peek(TENANT, TODAY)
+    assert view is not None and view.balance == 15_000_000
+    assert (await budgets.reserve(TENANT, rid(), 5_000_000, TTL, TODAY)).admitted
+
+
+def _two_writers(sessions: sessionmaker[Session], tenant_id: str) -> list[tuple[int, int]]:
+    """A -50.00 adjustment and a +10.00 top-up written at once, the second while the first's transaction is
+    open: (delta, version) of each, in the order they committed."""
+    written: list[tuple[int, int]] = []
+    first_open = threading.Event()
+
+    def write(amount: str, kind: credit.Kind, hold: bool) -> None:
+        with sessions() as s, s.begin():
+            entry = credit.add_credit(
+                s, tenant_id=tenant_id, amount=amount, kind=kind, reason="", actor="ops"
+            )
+            version = credit.credit_version(s, tenant_id=tenant_id)
+            if hold:
+                first_open.set()
+                time.sleep(0.5)  # the other writer is inside its transaction meanwhile, waiting
+            written.append((to_micros(entry.amount), version))
+
+    def second_writer() -> None:
+        first_open.wait(10)
+        write("10", "topup", False)
+
+    second = threading.Thread(target=second_writer)
+    second.start()
+    write("-50", "adjustment", True)
+    second.join(10)
+    return written
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+async def test_two_writers_on_postgresql_and_reordered_notices_land_once(
+    budgets: BudgetBackend, session_factory: sessionmaker[Session]
+) -> None:
+    """Issue 35, item 4: two concurrent entries get distinct versions (allocated under the tenant's lock),
+    and their notices, delivered in reverse, leave the live balance where the database says it is."""
+    with session_factory() as s, s.begin():
+        tenant_id = repository.create_tenant(s, name="acme").id
+        credit.add_credit(s, tenant_id=tenant_id, amount="5", kind="topup", reason="", actor="ops")
+    with session_factory() as s:
+        await budgets.load(credit.snapshot(s, tenant_id=tenant_id), 1)
+    written = await asyncio.to_thread(_two_writers, session_factory, tenant_id)
+    assert sorted(version for _, version in written) == [2, 3]
+    for delta, version in reversed(written):
+        await budgets.credit(tenant_id, delta, version)
+    with session_factory() as s:
+        truth = credit.snapshot(s, tenant_id=tenant_id)
+    view = await budgets.peek(tenant_id, TODAY)
+    assert truth.balance == -35_000_000 and view is not None and view.balance == truth.balance
+    refused = await budgets.reserve(tenant_id, rid(), 5_000_000, TTL, TODAY)
+    assert (refused.admitted, refused.reason) == (False, "credit")

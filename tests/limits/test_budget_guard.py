@@ -1,7 +1,10 @@
 """BudgetGuard's GPU-time bound (issue 29): where a tenant's prices charge GPU time, a budgeted request's
 hold includes max_gpu_seconds of it, the hold names that bound for the engine (which charges at most it),
-and no usage within the bounds settles above the hold, on the local and the Redis backend."""
+and no usage within the bounds settles above the hold, on the local and the Redis backend. And a hold and
+its lease live as long as their request (issue 35, item 5): renewed by a timer whether or not output
+arrives, and a settle that fails past the hold's life lands later, the usage row's amount exactly."""
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
@@ -9,11 +12,15 @@ from decimal import Decimal
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.budgets import guard as guard_module
 from app.budgets.guard import BudgetGuard, BudgetHold, periods_at
 from app.budgets.local_backend import LocalBudgets
 from app.budgets.protocol import BudgetBackend
 from app.budgets.redis_backend import RedisBudgets
+from app.completions.admission import Admission, BudgetAsk
 from app.errors import InsufficientQuota
+from app.limits import LimiterUnavailable, Limits
+from app.limits.local_backend import LocalLimiter
 from billing import credit, repository
 from billing.db import make_engine, make_session_factory
 from billing.micros import from_micros, to_micros
@@ -139,8 +146,9 @@ async def test_an_engine_past_its_bound_is_still_settled_at_most_the_hold(
     cost = await guard.settle(held, Metered(PROMPT, 0, OUTPUT, GPU_S * 1000 * 3))
     view = await backend.peek(tenant_id, periods_at())
     assert view is not None and view.balance is not None
-    assert to_micros(cost) > held.amount
+    assert to_micros(cost_of(Metered(PROMPT, 0, OUTPUT, GPU_S * 1000 * 3), held.prices)) > held.amount
     assert from_micros(view.balance) == Decimal("10") - from_micros(held.amount)
+    assert cost == from_micros(held.amount)  # the usage row says what the backend spent
 
 
 def test_worst_case_counts_gpu_time_as_cost_of_does() -> None:
@@ -150,3 +158,65 @@ def test_worst_case_counts_gpu_time_as_cost_of_does() -> None:
         expected = cost_of(Metered(0, 0, 0, bound), prices) + Decimal("0.000002")
         assert worst_case(0, 0, prices, bound) == expected
     assert worst_case(0, 0, prices) == Decimal("0.000002")  # no bound: GPU time is not counted
+
+
+SHORT_TTL_MS = 300  # the hold's and the lease's life here: the request below outlives it three times over
+
+
+async def test_a_request_without_output_keeps_its_hold_and_its_lease(
+    sessions: sessionmaker[Session], backend: BudgetBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request waiting longer than the TTLs without any output (a long engine queue, a long prefill):
+    its money and its concurrency slot stay taken, so a second request is refused both meanwhile."""
+    monkeypatch.setattr(guard_module, "HOLD_TTL_MS", SHORT_TTL_MS)
+    guard = BudgetGuard(backend, sessions, price_ttl_s=0)
+    tenant_id = tenant(sessions, "tokens", "0.001")  # one request's worst case (0.000842), not two
+    limiter, limits = LocalLimiter(), Limits(max_concurrent=1, lease_ttl_ms=SHORT_TTL_MS)
+    ask = BudgetAsk(guard, True, MODEL, None, PROMPT, OUTPUT)
+    first = await Admission.acquire(
+        limiter, tenant=tenant_id, tier="tokens", request_id="first", limits=limits, reserve=10,
+        fail_open=False, budget=ask,
+    )  # fmt: skip
+    await asyncio.sleep(SHORT_TTL_MS / 1000 * 3.5)  # no output, so nothing renews but the timer
+    with pytest.raises(InsufficientQuota):
+        await hold(guard, tenant_id)
+    assert not (await limiter.admit(tenant_id, "second", limits, 10)).admitted
+    await first.settle(Metered(PROMPT, 0, 1, 0.0))
+    await first.release(PROMPT + 1)
+    second = await Admission.acquire(
+        limiter, tenant=tenant_id, tier="tokens", request_id="second", limits=limits, reserve=10,
+        fail_open=False, budget=ask,
+    )  # fmt: skip
+    await second.release(0)
+
+
+async def test_a_settle_that_fails_past_the_holds_life_lands_later(
+    sessions: sessionmaker[Session], backend: BudgetBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend is away when the request settles and for longer than its hold lives: the settle is
+    retried until it lands, and the live balance then drops by exactly the usage row's cost."""
+    monkeypatch.setattr(guard_module, "HOLD_TTL_MS", SHORT_TTL_MS)
+    guard = BudgetGuard(backend, sessions, price_ttl_s=0)
+    tenant_id = tenant(sessions, "tokens", "10")
+    held = await hold(guard, tenant_id)
+    loop = asyncio.get_running_loop()
+    away_until = loop.time() + SHORT_TTL_MS / 1000 * 3
+    settle = backend.settle
+
+    async def flaky_settle(tenant: str, request_id: str, cost: int, periods: object) -> None:
+        if loop.time() < away_until:
+            raise LimiterUnavailable("connection refused")
+        await settle(tenant, request_id, cost, periods)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "settle", flaky_settle)
+    row_cost = await guard.settle(held, Metered(PROMPT, 0, 7, 0.0))  # fails: returns at once all the same
+    assert row_cost > 0
+    spent = Decimal(0)
+    for _ in range(60):
+        view = await backend.peek(tenant_id, periods_at())
+        assert view is not None and view.balance is not None
+        spent = Decimal("10") - from_micros(view.balance)
+        if spent:
+            break
+        await asyncio.sleep(0.1)
+    assert spent == row_cost

@@ -14,7 +14,7 @@ from app.limits.protocol import MAX_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 LUA = ROOT / "app" / "limits" / "lua"
-SCRIPTS = ("admit", "release", "renew", "leave_queue", "peek")
+SCRIPTS = ("admit", "release", "renew", "deliver", "leave_queue", "peek")
 
 
 def test_every_script_file_is_package_data() -> None:

@@ -199,3 +199,22 @@ async def test_an_adapter_request_waits_for_a_slow_home_instead_of_loading_its_a
     assert len(ranks) > 1 and ranks[0][0].name == home  # type: ignore[attr-defined]  # then it may spill
     base = PendingRequest(args=[request(None)], kwargs={}, metadata=RequestMetadata("r2", "t"))
     assert len(await router.choose_replicas(replicas, base)) > 1  # type: ignore[arg-type]  # base: never held
+
+
+async def test_a_burst_fulfilled_before_any_send_still_spills(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve's routing task can fulfil every request queued behind a busy ingress before any is sent (a
+    send is what moves its queue-length cache): the router counts its own picks until the cache moves,
+    so the home takes its share and the rest spill (CI once saw a whole burst stay home)."""
+    home = rendezvous_order("x", ["a", "b"])[0]
+    cache = {FakeId("a"): 0, FakeId("b"): 0}  # fresh from earlier traffic, as after a warm-up request
+    monkeypatch.setattr(AdapterAwareRouter, "replica_queue_len_cache", property(lambda self: cache))
+    replicas = [FakeReplica(n) for n in ("a", "b")]  # no routing stats yet: capacity as configured
+    router = make_router(spill_factor=0.5, max_num_seqs=4)  # overloaded at 2
+    chosen = []
+    for i in range(4):  # all decided before Serve's on_send_request runs for any of them
+        pending = PendingRequest(args=[request("x")], kwargs={}, metadata=RequestMetadata(f"r{i}", "t"))
+        ranks = await router.choose_replicas(replicas, pending)  # type: ignore[arg-type]
+        chosen.append(serve_pick(ranks[0], cache).name)  # type: ignore[arg-type]
+    assert chosen[:2] == [home, home] and chosen.count(home) == 2, chosen  # then both are full
+    cache[FakeId(home)] = 2  # the sends arrive: the cache counts them and the router stops its own count
+    assert router._load(replicas[0 if home == "a" else 1]) == 2  # type: ignore[arg-type]

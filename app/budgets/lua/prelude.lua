@@ -1,5 +1,5 @@
 -- Shared by every budget script: the keys, Redis's clock, holds' expiry and the period roll.
-local META, HOLDS, HOLDS_N, SETTLED = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local META, HOLDS, HOLDS_N, SETTLED, CREDITS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

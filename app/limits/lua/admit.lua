@@ -1,6 +1,6 @@
 -- ARGV: request id, rpm, tpm, max_concurrent (-1: unlimited), lease TTL, reserve, queued (0/1),
 -- window, queue stale, concurrency retry, queued retry (all ms), max waiters (-1: unbounded), wake channel,
--- tenant, sequences (the lease's weight). Returns {admitted, reason, retry_after, requests in window,
+-- tenant, sequences (the lease's weight), delivering retry (ms). Returns {admitted, reason, retry_after, requests in window,
 -- reset_requests, token total, reset_tokens}.
 local id = ARGV[1]
 local rpm, tpm = int_arg(2, -1, MAX_LIMIT_VALUE), int_arg(3, -1, MAX_LIMIT_VALUE)
@@ -12,6 +12,7 @@ local concurrency_retry, queued_retry = int_arg(10, 0, MAX_LIMIT_VALUE), int_arg
 local max_waiters = int_arg(12, -1, MAX_LIMIT_VALUE)
 local channel, tenant = ARGV[13], ARGV[14]
 local sequences = int_arg(15, 1, MAX_LIMIT_VALUE)
+local delivering_retry = int_arg(16, 0, MAX_LIMIT_VALUE)
 local now = now_ms()
 
 local function reset(key)
@@ -64,6 +65,7 @@ end
 local lapsed = redis.call('ZRANGEBYSCORE', KEYS[LEASES], '-inf', now)
 if #lapsed > 0 then
   chunked('HDEL', KEYS[LEASES_N], lapsed)
+  chunked('SREM', KEYS[DELIVERING], lapsed)
   redis.call('ZREMRANGEBYSCORE', KEYS[LEASES], '-inf', now)
 end
 local stale_waiters = redis.call('ZRANGEBYSCORE', KEYS[QUEUE_SEEN], '-inf', now - stale)
@@ -86,6 +88,13 @@ local function blocked()
   end
   local held = max_concurrent >= 0 and weight_of(redis.call('ZRANGE', KEYS[LEASES], 0, -1)) or 0
   if max_concurrent >= 0 and held + sequences > max_concurrent then
+    local delivering = {}
+    for _, lease in ipairs(redis.call('SMEMBERS', KEYS[DELIVERING])) do
+      if redis.call('ZSCORE', KEYS[LEASES], lease) then delivering[#delivering + 1] = lease end
+    end
+    if held - weight_of(delivering) + sequences <= max_concurrent then
+      return 'delivering', delivering_retry
+    end
     return 'concurrency', concurrency_retry
   end
   return nil, 0

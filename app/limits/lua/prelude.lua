@@ -1,7 +1,7 @@
 -- Shared by every script. Lua 5.1's unpack() overflows the C stack past ~8000 values: big batches go in
 -- chunks. Server time, in ms: the one clock every replica agrees on.
 local REQUESTS, TOKENS_AT, TOKENS_N, TOKENS_TOTAL, LEASES, QUEUE, QUEUE_SEEN = 1, 2, 3, 4, 5, 6, 7
-local LEASES_N = 8
+local LEASES_N, DELIVERING = 8, 9
 
 -- ARGV[i] as an integer in [lo, hi], or an error reply before the script has written anything.
 local function int_arg(i, lo, hi)

@@ -3,6 +3,7 @@ local id, used = ARGV[1], int_arg(2, 0, MAX_TOKENS_VALUE)
 local reserved = tonumber(redis.call('HGET', KEYS[TOKENS_N], id))
 redis.call('ZREM', KEYS[LEASES], id)
 redis.call('HDEL', KEYS[LEASES_N], id)
+redis.call('SREM', KEYS[DELIVERING], id)
 if reserved then  -- still in the window: the minute's total reflects what was really used
   redis.call('HSET', KEYS[TOKENS_N], id, used)
   redis.call('INCRBY', KEYS[TOKENS_TOTAL], used - reserved)

@@ -69,6 +69,13 @@ class CpuAdapterCache:
             raise failure.error
         return None
 
+    def raise_if_failed(self, ref: AdapterRef) -> None:
+        """Raise the error of a failed load while its backoff lasts."""
+        with self._lock:
+            failure = self._backing_off(ref)
+        if failure is not None:
+            raise failure.error
+
     def is_ready(self, ref: AdapterRef) -> bool:
         with self._lock:
             return ref in self._ready

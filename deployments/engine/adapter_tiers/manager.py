@@ -3,12 +3,15 @@
 The scheduler asks `acquire(ref)` for each waiting request: it answers with a device slot, or None while
 the adapter is still loading or waiting for a slot (only that request waits; others keep running).
 
-Before each admission pass the scheduler tells the manager what the queue holds (`plan`): adapters of the
-next queued requests start loading into CPU memory ahead of need (overlapping the store read with steps)
-and are kept there; a slot to evict or drain is chosen by queued demand, so a popular adapter is not
-thrown out for a cold one while others would do. Several slots may drain at once when several cold
-adapters wait, but a slot whose adapter has requests queued drains only when no other slot is draining:
-that keeps the one-drain progress guarantee without thrashing hot adapters.
+Before each admission pass the scheduler tells the manager what the queue holds (`plan`): the adapters next
+in the scheduler's rotation (the order in which adapters without a slot get one), then the other queued
+ones, start loading into CPU memory ahead of need (overlapping the store read with steps) and are kept
+there; a slot to evict or drain is chosen by queued demand, so a popular adapter is not thrown out for a
+cold one while others would do. Several slots may drain at once when several cold adapters wait, but a
+slot whose adapter has requests queued drains only when no other slot is draining and only once it has
+been resident `min_residency_s`, and an idle slot with requests queued is not evicted before that either:
+that keeps the one-drain progress guarantee without thrashing hot adapters, and bounds how fast many
+waiting adapters can trade slots.
 
 Nothing here that runs on the engine loop thread touches the store: `check` (a version's config, read once
 and cached by AdapterSpecs) runs before a request is queued, on a thread of its own, and weights are read
@@ -55,11 +58,13 @@ class AdapterManager:
         device: torch.device,
         retry_s: float = 1.0,
         retry_max_s: float = 30.0,
+        min_residency_s: float = 0.0,
     ) -> None:
         self.store = store
         self._modules = lora_modules
         self._targets = {path.rsplit(".", 1)[-1] for path in lora_modules}
         self.max_rank = max_rank
+        self.min_residency_s = min_residency_s
         self._dtype = dtype
         self._device = device
         self.specs = AdapterSpecs(self._read_spec)
@@ -120,15 +125,10 @@ class AdapterManager:
             if self._lookahead is None or ref in self._lookahead:
                 self._prefetch(ref)  # beyond the planned lookahead a load would only evict a nearer need
             return None
-        slot = self.slots.claim(ref, score=lambda held: self._demand[held])
+        slot = self.slots.claim(ref, score=lambda held: self._demand[held], keep=self._settling)
         if slot is None:
             self._cold.add(ref)
             self._drain()
-            if self.slots.num_draining == 0 and (busy := self.slots.drainable()):
-                # Every busy slot has queued requests: drain the least wanted anyway, so nobody starves.
-                self.slots.start_draining(
-                    min(busy, key=lambda s: (self._demand_of(s), self._remaining.get(s, 0)))
-                )
             return None
         start = time.perf_counter()
         try:
@@ -142,16 +142,34 @@ class AdapterManager:
         self.slots.acquire(slot)
         return slot
 
+    def _settling(self, slot: int) -> bool:
+        """Whether the slot's adapter has requests queued and was loaded less than min_residency_s ago: such
+        a slot is neither evicted nor drained for another adapter yet. (Its running users are never cut
+        short by a drain; a slot with nothing queued drains at once, as no one waits for it.)"""
+        young = time.monotonic() - self.slots.claimed_at[slot] < self.min_residency_s
+        return young and self._demand_of(slot) > 0
+
+    def claimable(self) -> int:
+        """Slots an adapter without one could be loaded into now: free, or idle and not settling."""
+        return self.slots.num_free - sum(1 for s in self.slots.idle() if self._settling(s))
+
     def release(self, slot: int) -> None:
         self.slots.release(slot)
 
-    def plan(self, queued: list[AdapterRef], remaining: dict[int, int]) -> None:
+    def raise_if_failed(self, ref: AdapterRef) -> None:
+        """Raise the error of `ref`'s last load while its backoff lasts (no load is started)."""
+        self.cpu.raise_if_failed(ref)
+
+    def plan(
+        self, queued: list[AdapterRef], remaining: dict[int, int], rotation: list[AdapterRef] | None = None
+    ) -> None:
         """Before an admission pass: `queued` are the adapters of waiting requests in queue order (repeats
-        included), `remaining` the most tokens any running user of each slot may still generate."""
+        included), `remaining` the most tokens any running user of each slot may still generate, `rotation`
+        the adapters without a usable slot in the order they get one (None: queue order)."""
         self._demand = Counter(queued)
         self._remaining = remaining
-        lookahead: list[AdapterRef] = []  # distinct, in queue order, what the CPU tier should hold next
-        for ref in self._demand:  # a Counter keeps first-seen order
+        lookahead: list[AdapterRef] = []  # distinct, rotation then queue order: what the CPU tier holds next
+        for ref in dict.fromkeys([*(rotation or []), *self._demand]):  # a Counter keeps first-seen order
             if len(lookahead) >= max(1, self.cpu.capacity // 2):
                 break
             lookahead.append(ref)
@@ -167,13 +185,21 @@ class AdapterManager:
 
     def _drain(self) -> None:
         """Mark slots draining for the cold adapters that want one beyond the free slots (at most half the
-        slots at once), only slots no queued request wants, the one whose users finish soonest first."""
-        wanted = min(len(self._cold) - self.slots.num_free, self.slots.num_slots // 2)
+        slots at once): slots no queued request wants and past their minimum residency, the one whose users
+        finish soonest first; if none drains then, the least wanted slot past its minimum residency."""
+        wanted = min(len(self._cold) - self.claimable(), self.slots.num_slots // 2)
         while self.slots.num_draining < wanted:
-            unwanted = [s for s in self.slots.drainable() if not self._demand_of(s)]
+            unwanted = [s for s in self.slots.drainable() if not self._demand_of(s) and not self._settling(s)]
             if not unwanted:
-                return
+                break
             self.slots.start_draining(min(unwanted, key=lambda s: self._remaining.get(s, 0)))
+        busy = [s for s in self.slots.drainable() if not self._settling(s)]
+        if self._cold and self.slots.num_draining == 0 and not self.claimable() and busy:
+            # Every busy slot has queued requests: drain the least wanted anyway, so nobody starves (the
+            # head of the rotation gets it, whether or not a row is free for it yet).
+            self.slots.start_draining(
+                min(busy, key=lambda s: (self._demand_of(s), self._remaining.get(s, 0)))
+            )
 
     def slot_to_free(self, ref: AdapterRef, *, min_age_s: float) -> int | None:
         """For a request overdue for a slot: the busy slot its users should give up (the least wanted, then

@@ -52,15 +52,22 @@ class SlotTable:
             else:
                 self._idle[slot] = None
 
-    def claim(self, ref: AdapterRef, score: Callable[[AdapterRef], int] | None = None) -> int | None:
+    def claim(
+        self,
+        ref: AdapterRef,
+        score: Callable[[AdapterRef], int] | None = None,
+        keep: Callable[[int], bool] | None = None,
+    ) -> int | None:
         """A slot to load `ref` into (free, or an idle one evicted), or None if all are busy. The idle victim
-        has the lowest `score` of its adapter (least recently used among equals). The caller writes the
-        weights, then acquires."""
+        has the lowest `score` of its adapter (least recently used among equals); idle slots for which
+        `keep(slot)` holds are not evicted. The caller writes the weights, then acquires."""
         assert ref not in self._slot_of, f"{ref} is already resident"
         if self._free:
             slot = self._free.pop()
         else:
-            idle = [s for s in self._idle if self._ref[s] not in self.pinned]  # least recently used first
+            idle = [  # least recently used first
+                s for s in self._idle if self._ref[s] not in self.pinned and (keep is None or not keep(s))
+            ]
             if not idle:
                 return None
             victim = idle[0] if score is None else min(idle, key=lambda s: score(self._ref_at(s)))
@@ -135,6 +142,10 @@ class SlotTable:
 
     def users(self, slot: int) -> int:
         return self._users[slot]
+
+    def idle(self) -> list[int]:
+        """Occupied, unused, unpinned slots: a new adapter may evict one."""
+        return [s for s in self._idle if self._ref[s] not in self.pinned]
 
     @property
     def num_free(self) -> int:

@@ -14,9 +14,13 @@ Where the order has no answer (the first character of an enum value or of a prop
 allowed bytes are each followed to their end and the shortest kept, within a bound (`max_branches`) per
 walk; past it the first is taken. So the walk's completion is always valid but may be longer than the true
 shortest for some schemas (an anyOf whose first allowed byte starts the longer branch). It is bounded
-(`max_bytes`): past it (a pattern the order cannot end, such as `a*b`) the closing is unknown (None) and
-the request is not steered. The bytes become tokens with the model's tokenizer, checked against the
-grammar once.
+(`max_bytes`), and so is its work (`Fuel`, walk steps): past either the closing is unknown (None) and the
+request is not steered. A byte the order keeps choosing inside a string without the string being able to
+end (a pattern like `a*b`, or `[B-G]*~`) is taken at most `_LOOP` times in a row (and a string gets at most
+4 * `_LOOP` chosen bytes, for cycles like `(ab)*c`); then the bytes the mask allows are taken round from
+the last one, so such patterns close in a few bytes instead of running the walk to its bound at every
+token. The bytes become tokens with the model's tokenizer, checked
+against the grammar once.
 
 The walk needs to know whether the output stands inside a JSON string (where "}" is text, not a closer):
 `Lexical` follows the quotes and escapes of the bytes produced so far. That is only sound when the begin and
@@ -35,6 +39,27 @@ _OUTSIDE = b'}],0"tnf[{-123456789.:'
 _INSIDE = b'"a0A'
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _MAX_CHOICES = 6  # alternatives compared where only the mask tells (the rest: the first is taken)
+_LOOP = 4  # the same chosen byte this many times in a row inside a string: try the next allowed byte
+
+
+class Fuel:
+    """Walk steps a caller may still spend on closings (one per byte followed, one per alternative tried):
+    the bound on host work a walk costs, shared by all the walks it is passed to. `spent` is set when a walk
+    ran out (its closing is then unknown)."""
+
+    __slots__ = ("left", "spent")
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+        self.spent = False
+
+    def take(self) -> bool:
+        """One step; False (and `spent`) when none is left."""
+        if self.left <= 0:
+            self.spent = True
+            return False
+        self.left -= 1
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,18 +137,25 @@ class Closer:
         return self._tokenizer.tokenize_bytes(closing[len(written) :])
 
     def closing(
-        self, matcher: llguidance.LLMatcher, lexical: Lexical, *, branches: int | None = None
+        self,
+        matcher: llguidance.LLMatcher,
+        lexical: Lexical,
+        *,
+        branches: int | None = None,
+        fuel: Fuel | None = None,
     ) -> list[int] | None:
         """Tokens that take `matcher` (not changed) to a complete match, stop token excluded: [] when it is
-        complete already; None when no closing was found within max_bytes (or the matcher failed).
-        `branches` bounds the alternatives compared (default max_branches): fewer cost less, and may
-        find a longer closing."""
+        complete already; None when no closing was found within max_bytes and the `fuel` given (or the
+        matcher failed). `branches` bounds the alternatives compared (default max_branches): fewer cost
+        less, and may find a longer closing. Without `fuel`, a walk may take max_bytes steps per branch."""
         if matcher.is_error():
             return None
         if matcher.is_accepting():
             return []
         bound = self.max_branches if branches is None else branches
-        found = self._walk(matcher.deep_copy(), lexical, [bound], self.max_bytes)
+        if fuel is None:
+            fuel = Fuel(self.max_bytes * (bound + 1))
+        found = self._walk(matcher.deep_copy(), lexical, [bound], self.max_bytes, fuel)
         if found is None:
             return None
         plan = self._tokenizer.tokenize_bytes(found)
@@ -134,14 +166,18 @@ class Closer:
         return [t for t in single if t is not None] if None not in single else None
 
     def _walk(
-        self, walk: llguidance.LLMatcher, lexical: Lexical, branches: list[int], limit: int
+        self, walk: llguidance.LLMatcher, lexical: Lexical, branches: list[int], limit: int, fuel: Fuel
     ) -> bytes | None:
         """The closing's bytes from `walk` (advanced): forced bytes as they come, the preferred byte where
         the order has one; where only the mask tells (an enum's values, a property name to choose), each of
         the first few allowed bytes is followed to its end and the shortest kept, while `branches` (shared
         by the whole walk) lasts."""
         out = bytearray()
+        # In the current string: the byte last chosen, how many times in a row, how many bytes chosen.
+        last, repeats, chosen = -1, 0, 0
         while not walk.is_accepting():
+            if not fuel.take():
+                return None
             forced = walk.compute_ff_bytes()
             if forced:
                 if not self._consume(walk, forced):
@@ -152,21 +188,31 @@ class Closer:
                 choices = self._choices(walk, lexical)
                 if not choices:
                     return None
+                if not lexical.in_string:
+                    repeats = chosen = 0
+                elif (repeats >= _LOOP or chosen >= 4 * _LOOP) and choices != [_QUOTE]:
+                    # The string does not end by repeating what the order chose (one byte, or a cycle
+                    # such as "abab" for `(ab)*c`): go round the allowed bytes instead.
+                    choices, chosen = [self._next_allowed(walk, last)], 4 * _LOOP  # for the string's rest
                 if len(choices) > 1 and branches[0] >= len(choices):
                     branches[0] -= len(choices)
                     best: bytes | None = None
                     for byte in choices:
+                        if not fuel.take():
+                            break  # out of fuel: the shortest found so far, if any
                         trial = walk.deep_copy()
                         step = bytes([byte])
                         if not self._consume(trial, step):
                             continue
-                        rest = self._walk(trial, lexical.after(step), branches, limit - len(out) - 1)
+                        rest = self._walk(trial, lexical.after(step), branches, limit - len(out) - 1, fuel)
                         if rest is not None and (best is None or len(rest) + 1 < len(best)):
                             best = step + rest
                     return None if best is None else bytes(out) + best
                 step = bytes(choices[:1])
                 if not self._consume(walk, step):
                     return None
+                repeats = repeats + 1 if choices[0] == last else 1
+                last, chosen = choices[0], chosen + 1
                 out += step
                 lexical = lexical.after(step)
             if len(out) > limit:
@@ -186,13 +232,20 @@ class Closer:
             token = self._byte_token[byte]
             if token is not None and walk.validate_tokens([token]) == 1:
                 return [byte]
-        mask = walk.compute_bitmask()
-        allowed = [
-            byte
-            for byte, token in enumerate(self._byte_token)
-            if token is not None and mask[token // 8] >> (token % 8) & 1
-        ]
-        return allowed[:_MAX_CHOICES]
+        return _allowed(walk.compute_bitmask(), self._byte_token)[:_MAX_CHOICES]
+
+    def _next_allowed(self, walk: llguidance.LLMatcher, byte: int) -> int:
+        """The first byte the mask allows after `byte`, round from the lowest (`byte` if it is alone)."""
+        allowed = _allowed(walk.compute_bitmask(), self._byte_token)
+        return next((b for b in allowed if b > byte), allowed[0] if allowed else byte)
+
+
+def _allowed(mask: object, byte_token: list[int | None]) -> list[int]:
+    return [
+        byte
+        for byte, token in enumerate(byte_token)
+        if token is not None and mask[token // 8] >> (token % 8) & 1  # type: ignore[index]
+    ]
 
 
 def _string_end(data: bytes, lexical: Lexical) -> int:

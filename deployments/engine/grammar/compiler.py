@@ -20,6 +20,7 @@ Bitmask layout (llguidance's and xgrammar's): int32 words, bit i of word j allow
 """
 
 import json
+import logging
 import re
 import threading
 import time
@@ -36,8 +37,10 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from deployments.engine.errors import InvalidRequest
 from deployments.engine.grammar.cache import GrammarCache, Tenant
-from deployments.engine.grammar.closing import Closer, Lexical, Trigger
+from deployments.engine.grammar.closing import Closer, Fuel, Lexical, Trigger
 from deployments.engine.sampling_params import StructuredOutput
+
+log = logging.getLogger(__name__)
 
 LIBRARY = "llguidance"
 MAX_ERROR_CHARS = 300
@@ -76,6 +79,12 @@ MAX_OPTIONAL_RUN = (2000 - 7) // 4
 # (a value, a key, a separator, a closer): each, as a one-byte token, is fed to a copy at compile time.
 _PROBE_BYTES = b'{["-0123456789tfn}],:'
 STEP_BRANCHES = 8  # alternatives a closing walk compares during a request (Closer.max_branches at compile)
+# Closing walks on the engine loop, per request (closing.Fuel steps, tens of microseconds each): a bank it
+# starts with and may hold, refilled by each token it takes. Its walks never cost more than the bank plus
+# the refill per token, whatever the schema; a request whose walk runs dry is steered no more.
+STEP_WALK_FUEL = 8192
+STEP_WALK_REFILL = 64
+COMPILE_WALK_FUEL = 65536  # the walks at compile time, per grammar: bounded on their own, below the bound
 _ROW_ERROR = re.compile(r"Current row has (\d+) items; max is (\d+)")
 _ERROR_PREFIX = re.compile(r"^at \d+\(\d+\): ")
 _CacheKey = tuple[str, str, str, bool, bool]
@@ -113,9 +122,12 @@ class GrammarMatcher:
     __slots__ = (
         "_block",
         "_closer",
+        "_failures",
+        "_fuel",
         "_lexical",
         "_matcher",
         "_plan",
+        "_skip",
         "_stop",
         "_stop_ids",
         "_terminated",
@@ -145,6 +157,9 @@ class GrammarMatcher:
         self._trigger = trigger if closer is not None else None  # set: free text, before the opening
         self._block = block  # the closing from just after the opening (known at compile time)
         self.steered = False  # the budget forced a closing token at least once
+        self._fuel = Fuel(STEP_WALK_FUEL)
+        self._failures = 0  # walks that found no closing
+        self._skip = 0  # re-plans to pass over before walking again after a failed walk
 
     def fill_mask(self, bitmask: torch.Tensor, row: int, left: int | None = None) -> None:
         """Write into `bitmask[row]` the tokens allowed next. Only stop tokens once the grammar is complete
@@ -188,6 +203,8 @@ class GrammarMatcher:
         Returns the token taken (the one sampled, or the closing's next one when the sampled one would leave
         the output unable to finish in `left`), None if the grammar refuses it."""
         closer = self._closer
+        if closer is not None:
+            self._fuel.left = min(STEP_WALK_FUEL, self._fuel.left + STEP_WALK_REFILL)
         if self._trigger is not None and closer is not None:
             return self._take_free(closer, self._trigger, token_id, left)
         if closer is None or left is None or token_id in self._stop_ids:
@@ -227,7 +244,7 @@ class GrammarMatcher:
         if known is not None and self._finishes(known):
             self._plan = list(known)
         else:
-            self._plan = closer.closing(self._matcher, self._lexical, branches=STEP_BRANCHES)
+            self._plan = self._replan(closer)
         if left is None or self._plan is None or len(self._plan) + 1 <= left:
             return token_id
         self._matcher.rollback(1)
@@ -251,9 +268,24 @@ class GrammarMatcher:
             if written is not None and self._finishes(written):
                 self._plan = written
                 return
-        # Mid-request, fewer alternatives are compared than at compile time (the walk is on the engine
-        # loop): a longer closing only steers a little earlier, and the one known before stays valid.
-        self._plan = closer.closing(self._matcher, self._lexical, branches=STEP_BRANCHES)
+        self._plan = self._replan(closer)
+
+    def _replan(self, closer: Closer) -> list[int] | None:
+        """A closing walked from here, within the request's fuel. Mid-request, fewer alternatives are
+        compared than at compile time (the walk is on the engine loop): a longer closing only steers a
+        little earlier. A walk that found none is not redone at the next token: the walks after the k-th
+        failure wait 2^k - 1 re-plans. A walk that ran out of fuel ends the steering for good."""
+        if self._skip:
+            self._skip -= 1
+            return None
+        plan = closer.closing(self._matcher, self._lexical, branches=STEP_BRANCHES, fuel=self._fuel)
+        if self._fuel.spent:
+            log.info("a structured output's closing walks spent their fuel: it is steered no more")
+            self._closer = None
+        elif plan is None:
+            self._failures += 1
+            self._skip = (1 << min(self._failures, 12)) - 1
+        return plan
 
     def _finishes(self, tokens: list[int]) -> bool:
         """Whether `tokens` take the match from here to complete (the stop token is valid only there)."""
@@ -325,10 +357,13 @@ class CompiledGrammar:
         self._stop_ids = stop_ids
         self._words = words
         self._closer = closer
-        self._opening = closer.closing(template, Lexical()) if closer is not None else None
+        fuel = Fuel(COMPILE_WALK_FUEL)
+        self._opening = closer.closing(template, Lexical(), fuel=fuel) if closer is not None else None
         self.min_tokens = None if self._opening is None else len(self._opening) + 1
         self._trigger = trigger
-        self._block = closer.closing(opened, Lexical()) if closer is not None and opened is not None else None
+        self._block = None
+        if closer is not None and opened is not None:
+            self._block = closer.closing(opened, Lexical(), fuel=fuel)
 
     def matcher(self) -> GrammarMatcher:
         """A fresh per-request state (a copy of the compiled start state: no compilation)."""

@@ -1,12 +1,15 @@
-"""DecoderForward: our forward for Llama-shaped decoders (Llama, Mistral, Qwen2), on the HF model's weights.
+"""DecoderForward: our forward for Llama-shaped decoders (Llama, Mistral, Qwen2, Phi-3, Qwen3, Gemma 3 text),
+on HF's weights.
 
 HF's forward spends most of a small batch's step in Python: decorators, keyword plumbing, output classes,
 a dozen ops per RMSNorm and rotary. Ours walks the same modules' weights with the step's tensors only:
 embed -> per layer [norm, q/k/v projection, rotary + KV write, paged attention, o projection, residual + norm,
-gate/up projection, SiLU x up, down projection] -> final norm of the kept rows -> lm_head. The arithmetic
-is HF's, op for op (TorchOps); on CUDA each elementwise step is one fused kernel (TritonOps), q/k/v and
-gate/up are one GEMM each with one LoRA shrink and expand per group (projection.py), and no step of the
-forward depends on a tensor's value on the host, so a decode step can be captured in a CUDA graph.
+gate/up projection, SiLU x up, down projection] -> final norm of the kept rows -> lm_head; what a family adds
+to that layer (q/k norms, Gemma's norms around attention and MLP, GeGLU, rope tables per layer type) is
+described in decoder_families.py. The arithmetic is HF's, op for op (TorchOps); on CUDA each elementwise
+step is one fused kernel (TritonOps; Gemma's norms and GeGLU are torch ops there too), q/k/v and gate/up are
+one GEMM each with one LoRA shrink and expand per group (projection.py), and no step of the forward depends
+on a tensor's value on the host, so a decode step can be captured in a CUDA graph.
 
 Other architectures keep HF's forward (`HFForward`), with our paged attention inside it.
 """
@@ -21,21 +24,21 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from deployments.engine.model.attention import METADATA_KWARG, attend
+from deployments.engine.model.decoder_families import FAMILIES, LayerNorms, activation, family_reason
+from deployments.engine.model.fused_linears import LinearGroup, gate_up_group, qkv_group
 from deployments.engine.model.kv_cache import KVCache
 from deployments.engine.model.layer_ops import LayerOps
 from deployments.engine.model.projection import Projection
 from deployments.engine.model.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
-FAMILY = ("llama", "mistral", "qwen2")
 
 
 @dataclass(slots=True)
 class _Layer:
-    input_norm: torch.Tensor
-    input_eps: float
-    post_norm: torch.Tensor
-    post_eps: float
+    norms: LayerNorms
+    cos: torch.Tensor  # [max_positions, D]: the layer type's rope table
+    sin: torch.Tensor
     qkv: Projection
     o: Projection
     gate_up: Projection
@@ -50,16 +53,18 @@ class _Layer:
 def unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why our forward cannot run this model (None: it can)."""
     config = model.config
-    kind = getattr(config, "model_type", None)
-    if kind not in FAMILY:
-        return f"model_type {kind!r} is not one of {FAMILY}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r}"
+    if (reason := family_reason(config)) is not None:
+        return reason
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary is None:
         return "no rotary embedding module"
-    if getattr(rotary, "rope_type", "default") == "dynamic":
-        return "dynamic RoPE scaling (its frequencies change with the sequence length)"
+    rope = getattr(rotary, "rope_type", "default")
+    for kind in rope.values() if isinstance(rope, dict) else [rope]:  # Gemma 3: one per layer type
+        if "dynamic" in kind or kind == "longrope":
+            return f"{kind} RoPE scaling (its frequencies change with the sequence length)"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if float(rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0) != 1.0:
+        return "partial rotary embedding (our rotary kernels turn whole heads)"
     if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
         return "pretraining_tp > 1"
     return None
@@ -81,38 +86,44 @@ class DecoderForward:
     ) -> None:
         self.ops = ops
         self.kv_cache = kv_cache
-        inner: Any = model.model  # LlamaModel / MistralModel / Qwen2Model
+        inner: Any = model.model  # e.g. LlamaModel, Phi3Model, Qwen3Model, Gemma3TextModel
         config = model.config
-        self.embed: nn.Embedding = inner.embed_tokens
-        self.final_norm = inner.norm.weight
-        self.final_eps = float(inner.norm.variance_epsilon)
+        family = FAMILIES[config.model_type]
+        self.embed: nn.Embedding = inner.embed_tokens  # Gemma's scales by sqrt(hidden) in its forward
+        self.final_norm = family.final_norm(inner.norm)
         self.lm_head: nn.Module = model.lm_head
-        device = self.final_norm.device
+        self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.gelu = activation(config) == "gelu_tanh"
+        device = inner.norm.weight.device
         dtype = self.embed.weight.dtype
         # RoPE as HF computes it per step, for every position once: the same float ops per element.
         positions = torch.arange(max_positions, device=device)[None]
         probe = torch.empty(1, dtype=dtype, device=device)
         with torch.inference_mode():
-            cos, sin = inner.rotary_emb(probe, positions)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_positions, D]
+            tables = family.rope_tables(inner, config, probe, positions)
 
-        def group(*members: nn.Module) -> Projection:
-            return Projection(list(members), fuse_base=fuse, group_lora=group_lora, nf4_kernel=nf4_kernel)
+        def group(*members: nn.Module, splits: tuple[int, ...] | None = None) -> Projection:
+            return Projection(
+                list(members), fuse_base=fuse, group_lora=group_lora, nf4_kernel=nf4_kernel, splits=splits
+            )
 
-        mistral_window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+        def grouped(linears: LinearGroup) -> Projection:  # separate linears, or one fused and cut
+            return group(*linears.members, splits=linears.splits)
+
+        every_layer_window = config.model_type in ("mistral", "phi3")  # config.sliding_window, all layers
+        mistral_window = getattr(config, "sliding_window", None) if every_layer_window else None
         self.layers = []
-        for layer in inner.layers:
+        for layer, (cos, sin) in zip(inner.layers, tables, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             heads = int(config.num_attention_heads)
             self.layers.append(
                 _Layer(
-                    input_norm=layer.input_layernorm.weight,
-                    input_eps=float(layer.input_layernorm.variance_epsilon),
-                    post_norm=layer.post_attention_layernorm.weight,
-                    post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-                    qkv=group(attn.q_proj, attn.k_proj, attn.v_proj),
+                    norms=family.layer_norms(layer),
+                    cos=cos,
+                    sin=sin,
+                    qkv=grouped(qkv_group(attn, q_width=heads * int(attn.head_dim))),
                     o=group(attn.o_proj),
-                    gate_up=group(mlp.gate_proj, mlp.up_proj),
+                    gate_up=grouped(gate_up_group(mlp)),
                     down=group(mlp.down_proj),
                     num_heads=heads,
                     num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
@@ -131,38 +142,51 @@ class DecoderForward:
         hidden = self.embed(step.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
+            norms = layer.norms
             if residual is None:
-                x, residual = ops.rms_norm(hidden, layer.input_norm, layer.input_eps), hidden
+                x, residual = norms.attention(ops, hidden), hidden
             else:
-                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, layer.input_eps)
+                x, residual = norms.attention.add(ops, hidden, residual)
             t = x.shape[0]
             q, k, v = layer.qkv(x, lora)
+            if norms.q is not None and norms.k is not None:  # per head, over head_dim: rows of [T * H, D]
+                q = norms.q(ops, q.reshape(-1, layer.head_dim))
+                k = norms.k(ops, k.reshape(-1, layer.head_dim))
             q = q.view(t, layer.num_heads, layer.head_dim)
             k = k.view(t, layer.num_kv_heads, layer.head_dim)
             v = v.view(t, layer.num_kv_heads, layer.head_dim)
             k_cache, v_cache = self.kv_cache.layers[i]
             ops.rotary_and_cache(
-                q, k, v, self.cos, self.sin, step.positions, step.slot_mapping, k_cache, v_cache
+                q, k, v, layer.cos, layer.sin, step.positions, step.slot_mapping, k_cache, v_cache
             )
             attn = attend(
                 q, k, v, k_cache, v_cache, meta, scale=layer.scale, window=layer.sliding_window, paged=paged,
                 paged_prefill=paged_prefill,
             )  # fmt: skip
             (hidden,) = layer.o(attn.reshape(t, -1), lora)
-            x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, layer.post_eps)
-            if layer.gate_up.fused:  # gate and up are the two halves of one output: one kernel
-                act = ops.silu_and_mul(layer.gate_up.whole(x, lora))
-            else:
-                gate, up = layer.gate_up(x, lora)
-                act = F.silu(gate) * up
-            (hidden,) = layer.down(act, lora)
+            if norms.attention_out is not None:
+                hidden = norms.attention_out(ops, hidden)
+            x, residual = norms.mlp.add(ops, hidden, residual)
+            (hidden,) = layer.down(self._gated(layer, x, step), lora)
+            if norms.mlp_out is not None:
+                hidden = norms.mlp_out(ops, hidden)
         assert residual is not None
         if step.logits_index is not None:  # only the rows whose logits are kept reach the final norm
             hidden = hidden.index_select(0, step.logits_index)
             residual = residual.index_select(0, step.logits_index)
-        normed, _ = ops.add_rms_norm(hidden, residual, self.final_norm, self.final_eps)
+        normed, _ = self.final_norm.add(ops, hidden, residual)
         logits: torch.Tensor = self.lm_head(normed)
+        if self.softcap is not None:  # Gemma's final_logit_softcapping, as HF's CausalLM applies it
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _gated(self, layer: _Layer, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """act(gate) * up: SiLU, or GELU's tanh approximation (Gemma)."""
+        if layer.gate_up.fused:  # gate and up are the two halves of one output: one kernel
+            gate_up = layer.gate_up.whole(x, step.lora)
+            return self.ops.gelu_tanh_and_mul(gate_up) if self.gelu else self.ops.silu_and_mul(gate_up)
+        gate, up = layer.gate_up(x, step.lora)
+        return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
 
 class HFForward:

@@ -38,7 +38,19 @@ class LayerOps(Protocol):
         v_cache: torch.Tensor,
     ) -> None: ...
 
+    def unit_offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: the fp32 normed x times `weight`, HF's fp32 (1 + w), then x's dtype."""
+        ...
+
+    def add_unit_offset_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU with HF's `gelu_pytorch_tanh` (Gemma): gelu(gate, approximate="tanh") * up."""
+        ...
 
     def paged_decode_attention(
         self,
@@ -72,7 +84,8 @@ class LayerOps(Protocol):
 
 
 class TorchOps:
-    """HF LlamaRMSNorm / apply_rotary_pos_emb / SiLU-gated MLP arithmetic, op for op."""
+    """HF LlamaRMSNorm / Gemma3RMSNorm / apply_rotary_pos_emb / SiLU- and GELU-gated MLP arithmetic, op for
+    op."""
 
     name = "torch"
     paged_decode = False  # decode attention gathers each context and runs SDPA (attention.py)
@@ -88,6 +101,17 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         summed = residual + x
         return self.rms_norm(summed, weight, eps), summed
+
+    def unit_offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (h * weight).type_as(x)
+
+    def add_unit_offset_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = residual + x
+        return self.unit_offset_rms_norm(summed, weight, eps), summed
 
     def rotary_and_cache(
         self,
@@ -111,6 +135,10 @@ class TorchOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def paged_decode_attention(
         self,
@@ -151,7 +179,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class TritonOps(TorchOps):
-    """One fused Triton kernel per operation (CUDA). Imported only on CUDA machines."""
+    """One fused Triton kernel per operation (CUDA). Imported only on CUDA machines. Gemma's (1 + w) norm
+    and GeGLU run as TorchOps does (plain torch ops, which a CUDA graph captures as well)."""
 
     name = "triton"
     paged_decode = True

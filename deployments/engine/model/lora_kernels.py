@@ -24,7 +24,7 @@ class LoRABatch:
     """How this step's tokens map to slots. Tokens [0, num_lora_tokens) carry adapters, sorted by slot."""
 
     num_lora_tokens: int
-    offsets: torch.Tensor  # [max_loras] int32, cumulative end of each slot's segment (on the device)
+    offsets: torch.Tensor  # [max_loras] cumulative end of each slot's segment (on the device; int64 there)
     segments: list[tuple[int, int, int]]  # (slot, start, end) for the non-empty segments, host-side
     segment_table: torch.Tensor  # [G, 3] int64 on the host: the same segments, for the C++ kernel
 
@@ -40,8 +40,9 @@ def loop_kernel(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 def grouped_mm_kernel(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
 ) -> None:
-    h = torch._grouped_mm(x, a, offs=batch.offsets)  # [n, R]
-    y[: batch.num_lora_tokens] += torch._grouped_mm(h, b, offs=batch.offsets).to(y.dtype)
+    offs = batch.offsets.to(torch.int32)  # grouped_mm takes int32 only; the step's buffer is int64
+    h = torch._grouped_mm(x, a, offs=offs)  # [n, R]
+    y[: batch.num_lora_tokens] += torch._grouped_mm(h, b, offs=offs).to(y.dtype)
 
 
 def _cpu_extension() -> ModuleType | None:

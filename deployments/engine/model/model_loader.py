@@ -71,6 +71,19 @@ def _check_checkpoint(config: EngineConfig, hf_config: PretrainedConfig) -> None
         raise ValueError(f"{config.model} is pre-quantized ({method}); set quantization to match")
 
 
+def check_rope(hf_config: PretrainedConfig) -> None:
+    """Refuse RoPE variants that neither forward serves exactly in a batch: LongRoPE (Phi-3 128k, Phi-3.5,
+    Phi-4-mini) picks short or long factors by the longest position in the forward call, so one long
+    sequence would change every other sequence's rotary in the same step."""
+    rope = getattr(hf_config.get_text_config(), "rope_parameters", None) or {}
+    tables = [t for t in rope.values() if isinstance(t, dict)] or [rope]  # per layer type, or one
+    if any(str(t.get("rope_type", t.get("type", ""))) in ("longrope", "su") for t in tables):
+        raise ValueError(
+            "LongRoPE (rope_scaling type 'longrope') is not served: LongRoPE switches its factors with the "
+            "sequence length, which a batch of sequences of different lengths cannot share"
+        )
+
+
 def _awq_ours(config: EngineConfig, device: torch.device) -> bool:
     """Our AWQ linear on CUDA (gptqmodel is absent from the GPU image and its kernels are not captured) or
     where gptqmodel is not installed; gptqmodel's CPU int4 kernel otherwise, unless the config names one."""
@@ -117,6 +130,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     log.info("compute dtype %s (%s)", dtype, why)
     hf_config = AutoConfig.from_pretrained(config.model)
     _check_checkpoint(config, hf_config)
+    check_rope(hf_config)
     quantization = _quantization_config(config, dtype)
     # Passing quantization_config=None would override (drop) an AWQ checkpoint's own config.
     extra = {} if quantization is None else {"quantization_config": quantization}

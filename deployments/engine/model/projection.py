@@ -14,6 +14,8 @@ Picked once at load, each part on its own:
 - **nf4 bases** (CUDA with Triton): a member whose base is a bitsandbytes nf4 `Linear4bit` runs our
   Triton NF4 GEMM on the module's own packed weights (nf4_base.py) instead of the module's forward, which
   at batch > 1 dequantizes the whole weight to 16 bits and then multiplies.
+- **one fused linear** (Phi-3's qkv_proj, gate_up_proj): a single member whose output is cut into `splits`
+  (q, k, v; gate, up) after its LoRA delta is added, so its adapter is PEFT's one A and one B, unsplit.
 - otherwise (CPU) each member runs as its module does (base, then its own LoRA kernel from the step's
   LoRAContext), which keeps the CPU kernel's speed.
 """
@@ -28,9 +30,17 @@ from deployments.engine.model.nf4_base import NF4Base
 
 class Projection:
     def __init__(
-        self, members: list[nn.Module], *, fuse_base: bool, group_lora: bool, nf4_kernel: bool = False
+        self,
+        members: list[nn.Module],
+        *,
+        fuse_base: bool,
+        group_lora: bool,
+        nf4_kernel: bool = False,
+        splits: tuple[int, ...] | None = None,
     ) -> None:
         self.members = members
+        # The outputs' widths: one per member, or the cuts of one fused member's output (fused_linears.py).
+        self.splits = None if splits is None else list(splits)
         # Per member: our kernel in place of its base's forward, or None (the module runs itself).
         self.kernels = [NF4Base.of(_base(m)) if nf4_kernel else None for m in members]
         self.widths = [_out_features(m) for m in members]
@@ -51,16 +61,18 @@ class Projection:
         return self.weight is not None
 
     def __call__(self, x: torch.Tensor, lora: LoRABatch | None) -> list[torch.Tensor]:
-        """Each member's output [T, out_i] (views of one [T, sum(out)] tensor when fused)."""
+        """Each output [T, out_i] (views of one [T, sum(out)] tensor when fused), adapters included."""
         if self.weight is not None:
             y = self.whole(x, lora)
-            return [y] if len(self.widths) == 1 else list(torch.split(y, self.widths, dim=-1))
+            widths = self.splits or self.widths
+            return [y] if len(widths) == 1 else list(torch.split(y, widths, dim=-1))
         if self.lora_a is None:
-            return [self._member(i, x) for i in range(len(self.members))]
-        outs = [self._base_out(i, x) for i in range(len(self.members))]  # quantized bases, then our deltas
-        if lora is not None:
-            self._member_lora(x, outs, lora)
-        return outs
+            outs = [self._member(i, x) for i in range(len(self.members))]
+        else:
+            outs = [self._base_out(i, x) for i in range(len(self.members))]  # quantized bases, then deltas
+            if lora is not None:
+                self._member_lora(x, outs, lora)
+        return outs if self.splits is None else list(torch.split(outs[0], self.splits, dim=-1))
 
     def whole(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         """The fused group's output [T, sum(out)], adapters included."""

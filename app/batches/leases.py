@@ -1,0 +1,242 @@
+"""LineLeases: batch lines claimed, renewed and ended by a runner (app/batches/runner.py) through the
+database, so any number of ingress replicas share the work and a replica that dies loses no line.
+
+A claim is one conditional UPDATE per batch (`queued`, or `running` with a lapsed lease, becomes `running`
+under this runner's lease), then a read of what this runner got: two replicas racing for the same lines
+each get only what their UPDATE changed. Only batches `in_progress` and not past their window are claimed
+from; the batch row is locked meanwhile (FOR UPDATE on PostgreSQL, as BatchStore.cancel does), so no line
+starts in a batch being cancelled. A tenant's running lines, on every replica, stay within
+`max_in_flight_per_tenant`. Lines of one model are claimed together (adapter loads and prefixes shared).
+A line ends (`done`, `failed`, or back to `queued` for another try) only while its lease is this runner's:
+one that lapsed and was claimed again is the new owner's, and ends once. Blocking: run in a thread.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from app.settings import BatchesConfig
+from billing.models import Batch, BatchLine, utcnow
+
+LOST = {
+    "code": "batch_line_lost",
+    "message": "This request's runner stopped before it finished, too many times; it was not retried again.",
+}
+
+
+def changed(s: Session, statement: Any) -> int:
+    """Rows an UPDATE changed."""
+    return int(getattr(s.execute(statement), "rowcount", 0) or 0)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A line this runner now holds, with what running it needs."""
+
+    batch_id: str
+    line: int
+    custom_id: str
+    request_id: str
+    body: dict[str, Any]
+    attempts: int
+    tenant_id: str
+    key_id: str
+    endpoint: str
+
+
+def _claimable(now: datetime) -> ColumnElement[bool]:
+    lapsed = and_(BatchLine.state == "running", BatchLine.lease_expires_at < now)
+    return or_(BatchLine.state == "queued", lapsed)
+
+
+class LineLeases:
+    def __init__(self, sessions: Callable[[], Session], config: BatchesConfig) -> None:
+        self.sessions = sessions
+        self.config = config
+
+    def _lease(self, now: datetime) -> datetime:
+        return now + timedelta(seconds=self.config.lease_s)
+
+    def claim(self, owner: str, room: int) -> list[Claimed]:
+        """Up to `room` lines for `owner`, oldest batches first."""
+        now = utcnow()
+        claimed: list[Claimed] = []
+        with self.sessions() as s, s.begin():
+            batches = list(
+                s.scalars(
+                    select(Batch)
+                    .where(Batch.status == "in_progress", Batch.expires_at > now)
+                    .order_by(Batch.created_at, Batch.id)
+                )
+            )
+            running = self._running_by_tenant(s, now)
+            for batch in batches:
+                free = min(
+                    room - len(claimed),
+                    self.config.max_in_flight_per_tenant - running.get(batch.tenant_id, 0),
+                )
+                if len(claimed) >= room:
+                    break
+                if free <= 0:
+                    continue
+                status = s.scalar(select(Batch.status).where(Batch.id == batch.id).with_for_update())
+                if status != "in_progress":
+                    continue
+                self._fail_exhausted(s, batch.id, now)
+                got = self._claim_lines(s, batch, owner, free, now)
+                running[batch.tenant_id] = running.get(batch.tenant_id, 0) + len(got)
+                claimed.extend(got)
+        return claimed
+
+    def _running_by_tenant(self, s: Session, now: datetime) -> dict[str, int]:
+        rows = s.execute(
+            select(Batch.tenant_id, func.count())
+            .join(BatchLine, BatchLine.batch_id == Batch.id)
+            .where(Batch.status.in_(("in_progress", "cancelling")))
+            .where(BatchLine.state == "running", BatchLine.lease_expires_at >= now)
+            .group_by(Batch.tenant_id)
+        )
+        return {tenant: int(count) for tenant, count in rows.tuples()}
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Lines of batches in progress that a runner could claim now (queued, or their lease lapsed), per
+        tenant: what the batch metrics show as queued."""
+        now = utcnow()
+        with self.sessions() as s:
+            rows = s.execute(
+                select(Batch.tenant_id, func.count())
+                .join(BatchLine, BatchLine.batch_id == Batch.id)
+                .where(Batch.status == "in_progress", _claimable(now))
+                .group_by(Batch.tenant_id)
+            )
+            return {tenant: int(count) for tenant, count in rows.tuples()}
+
+    def _fail_exhausted(self, s: Session, batch_id: str, now: datetime) -> None:
+        """Lines whose runners died `max_attempts` times fail, rather than take down a runner forever."""
+        ended = changed(
+            s,
+            update(BatchLine)
+            .where(
+                BatchLine.batch_id == batch_id, BatchLine.state == "running", BatchLine.lease_expires_at < now
+            )
+            .where(BatchLine.attempts >= self.config.max_attempts)
+            .values(state="failed", error=LOST, finished_at=now, lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False),
+        )
+        if ended:
+            s.execute(update(Batch).where(Batch.id == batch_id).values(failed=Batch.failed + ended))
+
+    def _claim_lines(self, s: Session, batch: Batch, owner: str, free: int, now: datetime) -> list[Claimed]:
+        wanted = list(
+            s.scalars(
+                select(BatchLine.line)
+                .where(BatchLine.batch_id == batch.id, _claimable(now))
+                .order_by(BatchLine.model, BatchLine.line)
+                .limit(free)
+            )
+        )
+        if not wanted:
+            return []
+        s.execute(
+            update(BatchLine)
+            .where(BatchLine.batch_id == batch.id, BatchLine.line.in_(wanted), _claimable(now))
+            .values(
+                state="running",
+                lease_owner=owner,
+                lease_expires_at=self._lease(now),
+                attempts=BatchLine.attempts + 1,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        rows = s.execute(
+            select(
+                BatchLine.line, BatchLine.custom_id, BatchLine.request_id, BatchLine.body, BatchLine.attempts
+            )
+            .where(BatchLine.batch_id == batch.id, BatchLine.line.in_(wanted))
+            .where(BatchLine.state == "running", BatchLine.lease_owner == owner)
+            .order_by(BatchLine.model, BatchLine.line)
+        )
+        return [
+            Claimed(
+                batch.id,
+                line,
+                custom_id,
+                request_id,
+                body,
+                attempts,
+                batch.tenant_id,
+                batch.key_id,
+                batch.endpoint,
+            )
+            for line, custom_id, request_id, body, attempts in rows.tuples()
+        ]
+
+    def renew(self, owner: str, lines: list[Claimed]) -> int:
+        """Push back the leases of `lines` (those `owner` still runs: a line whose task ended without
+        ending it is left to lapse, not held forever); how many it still holds."""
+        now = utcnow()
+        by_batch: dict[str, list[int]] = {}
+        for line in lines:
+            by_batch.setdefault(line.batch_id, []).append(line.line)
+        held = 0
+        with self.sessions() as s, s.begin():
+            for batch_id, numbers in by_batch.items():
+                held += changed(
+                    s,
+                    update(BatchLine)
+                    .where(BatchLine.batch_id == batch_id, BatchLine.line.in_(numbers))
+                    .where(BatchLine.lease_owner == owner, BatchLine.state == "running")
+                    .values(lease_expires_at=self._lease(now))
+                    .execution_options(synchronize_session=False),
+                )
+        return held
+
+    def finish(
+        self,
+        owner: str,
+        line: Claimed,
+        *,
+        ok: bool,
+        response: dict[str, Any] | None,
+        error: dict[str, Any] | None,
+    ) -> bool:
+        """End a line `done` (ok) or `failed` with what its output or error file line says, counted in its
+        batch, if it is still `owner`'s; whether it was."""
+        now = utcnow()
+        with self.sessions() as s, s.begin():
+            ended = changed(
+                s,
+                self._own(owner, line)
+                .values(
+                    state="done" if ok else "failed",
+                    response=response,
+                    error=error,
+                    finished_at=now,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                )
+                .execution_options(synchronize_session=False),
+            )
+            if ended:
+                counter = {"completed": Batch.completed + 1} if ok else {"failed": Batch.failed + 1}
+                s.execute(update(Batch).where(Batch.id == line.batch_id).values(**counter))
+            return bool(ended)
+
+    def requeue(self, owner: str, line: Claimed) -> bool:
+        """Give a line back for another try (the platform failed it, not its body)."""
+        with self.sessions() as s, s.begin():
+            back = self._own(owner, line).values(state="queued", lease_owner=None, lease_expires_at=None)
+            return bool(changed(s, back.execution_options(synchronize_session=False)))
+
+    @staticmethod
+    def _own(owner: str, line: Claimed) -> Any:
+        return update(BatchLine).where(
+            BatchLine.batch_id == line.batch_id,
+            BatchLine.line == line.line,
+            BatchLine.state == "running",
+            BatchLine.lease_owner == owner,
+        )

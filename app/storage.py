@@ -1,0 +1,25 @@
+"""A tenant's stored bytes, against its tier's quota (`max_stored_response_bytes`): its live stored responses
+and its live files share it (issue 37)."""
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from app.files.store import FileStore
+from app.responses.store import ResponseStore
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    responses: int
+    files: int
+
+    @property
+    def total(self) -> int:
+        return self.responses + self.files
+
+
+def stored_bytes(
+    responses: ResponseStore, files: FileStore, tenant_id: str, now: datetime | None = None
+) -> StoredBytes:
+    """What the tenant keeps now (two queries; run it in the thread pool)."""
+    return StoredBytes(responses.stored_bytes(tenant_id, now), files.stored_bytes(tenant_id, now))

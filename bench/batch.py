@@ -1,0 +1,356 @@
+"""The Batch API against the same requests sent interactively (issue 37's goal), in process: the HTTP app
+under uvicorn over one in-process engine and SQLite, the batch runner on the app's own event loop.
+
+Workload: N /v1/completions requests over A adapters (the tenant's own, uploaded through the admin API)
+and P shared prompt prefixes (each request: a prefix of `--prefix-words` words, a short unique tail),
+greedy, a fixed output length (`ignore_eos`). The order is shuffled, so adapters and prefixes are interleaved.
+  batch        the N requests as one JSONL file: upload, batch create, poll until `completed`; timed from
+               the upload to `completed` (the runner sorts lines by model; at most `max_in_flight_per_tenant`
+               in flight).
+  interactive  the same N requests sent at once (full concurrency) to the same app; timed to the last
+               answer.
+Peers run interleaved (`--repeats` rounds, order rotated); the ratio batch/interactive of requests per
+second is per round, summarised by its median (goal: >= 1.0).
+
+With `--ttft`: an interactive streaming load (`--ttft-users` users, each sending `--ttft-requests`
+requests one after another, cold adapters among them) runs alone and beside a running batch, in turns;
+its TTFT p99 and inter-token p99 beside/alone (goal: <= 1.2) and the batch lines done meanwhile.
+Run:  python -m bench.batch [--requests 1000 --adapters 8 --prefixes 4] [--ttft] [--tiny]
+The last line is one JSON object.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import random
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.bootstrap import build_services
+from app.main import create_app
+from app.modelprep.demo_model import ensure_model
+from app.served_models.catalog import BaseModelSpec
+from app.settings import BatchesConfig, Settings
+from bench.admin_upload import post_adapter
+from bench.live_server import LiveServer
+from bench.measure import Interleaved, machine, spread
+from bench.serve_platform import build_adapters
+from billing.adapter_digests import RegistryDigests
+from billing.db import make_engine, make_session_factory
+from billing.migrate import upgrade
+from deployments.engine.async_engine import AsyncEngine
+from deployments.engine.config import EngineConfig
+from deployments.engine.interface import LocalEngineClient
+from deployments.registry_watcher import RegistryWatcher
+
+MODEL = "bench-base"
+ENDPOINT = "/v1/completions"
+FINAL = ("completed", "failed", "expired", "cancelled")
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+]
+
+
+@dataclass
+class Platform:
+    url: str
+    key: str
+    adapters: list[str]
+
+
+@contextmanager
+def platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
+    """The app over a fresh engine and database; an enterprise tenant (no rate limits) and A
+    adapters it owns, uploaded through the admin API."""
+    model_dir = ensure_model(Path(f"var/bench/{args.preset}"), arch="llama", preset=args.preset).resolve()
+    url = f"sqlite:///{work / 'db.sqlite'}"
+    upgrade(url)
+    admin_key = secrets.token_urlsafe(32)
+    batches = BatchesConfig(max_in_flight_per_tenant=args.in_flight, max_in_flight=max(64, args.in_flight))
+    # Reads unlimited: the bench polls its batch, and the read limiter is not what is measured.
+    settings = Settings(data_dir=work, database_url=url, admin_key=admin_key, adapter_store=work / "store",
+                        adapter_cache_dir=work / "ingress-cache", batches=batches,
+                        read_rpm=1_000_000, read_burst=1_000)  # fmt: skip
+    engine = AsyncEngine(
+        EngineConfig(
+            model=model_dir,
+            served_model_name=MODEL,
+            adapter_store=work / "store",
+            adapter_cache_dir=work / "engine-cache",
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_kv_blocks=args.kv_blocks,
+            max_loras=args.slots,
+            max_lora_rank=16,
+        ),
+        adapter_digests=RegistryDigests(make_session_factory(make_engine(url))),  # as on a replica
+    )
+    services = build_services(settings, LocalEngineClient({MODEL: engine}), {MODEL: BaseModelSpec(model_dir)})
+    watcher = RegistryWatcher(engine, MODEL, services.session_factory, interval_s=0.5)
+    watcher.start()
+    dirs = build_adapters(model_dir, [8, 16] * ((args.adapters + 1) // 2), work / "peft")[: args.adapters]
+    try:
+        with LiveServer(create_app(services)) as server:
+            headers = {"authorization": f"Bearer {admin_key}"}
+            with httpx.Client(base_url=server.url, headers=headers, timeout=60) as admin:
+                tenant = admin.post("/admin/tenants", json={"name": "bench", "tier": "enterprise"}).json()
+                key = admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "bench"}).json()["key"]
+                names = [f"ad{i:02d}" for i in range(args.adapters)]
+                for name, path in zip(names, dirs, strict=True):
+                    reply = post_adapter(admin, name, tenant["id"], path, base_model=MODEL)
+                    assert reply.status_code == 201, reply.text
+            yield Platform(server.url, key, names)
+    finally:
+        watcher.stop()
+        engine.shutdown()
+
+
+def workload(args: argparse.Namespace, adapters: list[str], seed: int, tag: str) -> list[dict[str, Any]]:
+    """N completions bodies: adapters and shared prefixes interleaved, each with its own tail."""
+    rng = random.Random(seed)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(args.prefix_words)) for _ in range(args.prefixes)]
+    bodies = []
+    for i in range(args.requests):
+        tail = " ".join(rng.choice(WORDS) for _ in range(4))
+        prompt = f"{prefixes[i % args.prefixes]} {tail} {tag}{i}"
+        bodies.append({"model": adapters[i % len(adapters)], "prompt": prompt, "max_tokens": args.max_tokens,
+                       "temperature": 0, "ignore_eos": True})  # fmt: skip
+    rng.shuffle(bodies)
+    return bodies
+
+
+async def interactive(http: httpx.AsyncClient, bodies: list[dict[str, Any]]) -> tuple[float, int]:
+    """(seconds to the last answer, completion tokens) with every request sent at once."""
+
+    async def one(body: dict[str, Any]) -> int:
+        reply = await http.post(ENDPOINT, json=body)
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["usage"]["completion_tokens"])
+
+    start = time.perf_counter()
+    tokens = await asyncio.gather(*(one(body) for body in bodies))
+    return time.perf_counter() - start, sum(tokens)
+
+
+async def start_batch(http: httpx.AsyncClient, bodies: list[dict[str, Any]]) -> str:
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": ENDPOINT, "body": body}
+        for i, body in enumerate(bodies)
+    ]
+    content = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    reply = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", content)})
+    assert reply.status_code == 200, reply.text
+    create = {"input_file_id": reply.json()["id"], "endpoint": ENDPOINT, "completion_window": "24h"}
+    reply = await http.post("/v1/batches", json=create)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["id"])
+
+
+async def batch_state(http: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
+    reply = await http.get(f"/v1/batches/{batch_id}")
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+async def wait_batch(http: httpx.AsyncClient, batch_id: str, until: Callable[[dict[str, Any]], bool]) -> Any:
+    """Poll the batch every 50 ms until `until(state)`; that state."""
+    while True:
+        state = await batch_state(http, batch_id)
+        if until(state):
+            return state
+        await asyncio.sleep(0.05)
+
+
+async def batch(http: httpx.AsyncClient, bodies: list[dict[str, Any]]) -> tuple[float, int]:
+    """(seconds from the upload to `completed`, completion tokens in the output file)."""
+    start = time.perf_counter()
+    batch_id = await start_batch(http, bodies)
+    state = await wait_batch(http, batch_id, lambda s: s["status"] in FINAL)
+    elapsed = time.perf_counter() - start
+    counts = state["request_counts"]
+    assert state["status"] == "completed" and counts["completed"] == len(bodies), state
+    output = await http.get(f"/v1/files/{state['output_file_id']}/content")
+    lines = [json.loads(raw) for raw in output.content.splitlines()]
+    return elapsed, sum(line["response"]["body"]["usage"]["completion_tokens"] for line in lines)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def streamed(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, list[float]]:
+    """(TTFT, inter-token gaps) of one streamed request, as the client sees them."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    async with http.stream("POST", ENDPOINT, json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200, await reply.aread()
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                stamps.append(time.perf_counter())
+    return stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)]
+
+
+async def user_load(
+    http: httpx.AsyncClient, args: argparse.Namespace, bodies: list[dict[str, Any]]
+) -> dict[str, float]:
+    """`--ttft-users` users sending their share of bodies one after another: TTFT and gap p99."""
+    ttfts: list[float] = []
+    gaps: list[float] = []
+
+    async def user(mine: list[dict[str, Any]]) -> None:
+        for body in mine:
+            ttft, between = await streamed(http, body)
+            ttfts.append(ttft)
+            gaps.extend(between)
+
+    users = args.ttft_users
+    await asyncio.gather(*(user(bodies[u::users]) for u in range(users)))
+    return {"ttft_p99": percentile(ttfts, 0.99), "itl_p99": percentile(gaps, 0.99) if gaps else 0.0}
+
+
+async def measure(args: argparse.Namespace, p: Platform) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {p.key}"}
+    # Idle connections dropped before uvicorn's 5 s keep-alive closes them: a reused one it just closed
+    # fails the request (httpx.ReadError), which a round after a long batch run otherwise meets.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=1.0)
+    result: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=p.url, headers=headers, timeout=1800, limits=limits) as http:
+        await interactive(http, workload(args, p.adapters, 0, "w")[: max(8, args.requests // 10)])  # warm
+        rounds: dict[str, list[tuple[float, int]]] = {"batch": [], "interactive": []}
+        loop = asyncio.get_running_loop()
+
+        def peer(name: str) -> Any:
+            run = batch if name == "batch" else interactive
+
+            def once() -> float:
+                # The same bodies for both peers of a round; a fresh tag per run so no prompt was seen before.
+                r = len(rounds[name]) + 1
+                bodies = workload(args, p.adapters, r, f"{name[0]}{r}-")
+                elapsed, tokens = asyncio.run_coroutine_threadsafe(run(http, bodies), loop).result()
+                rounds[name].append((elapsed, tokens))
+                return len(bodies) / elapsed
+
+            return once
+
+        # Interleaved is synchronous: it runs in a thread while this loop serves the coroutines it submits.
+        runs = await asyncio.to_thread(
+            Interleaved(
+                {"batch": peer("batch"), "interactive": peer("interactive")}, repeats=args.repeats
+            ).run
+        )
+        result["throughput_ratio_batch_vs_interactive"] = runs.ratio("batch", "interactive")["median"]
+        result["throughput_ratio_spread"] = runs.ratio("batch", "interactive")
+        result["batch_req_s"] = spread(runs.samples["batch"])
+        result["interactive_req_s"] = spread(runs.samples["interactive"])
+        result["batch_tok_s"] = spread([t / s for s, t in rounds["batch"]])
+        result["interactive_tok_s"] = spread([t / s for s, t in rounds["interactive"]])
+        if args.ttft:
+            result["beside_batch"] = await ttft_beside(http, args, p)
+    return result
+
+
+async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Platform) -> dict[str, Any]:
+    """The streaming user load alone and beside a running batch, in turns; the batch is cancelled after."""
+    alone: list[dict[str, float]] = []
+    beside: list[dict[str, float]] = []
+    progressed: list[int] = []
+    for r in range(args.repeats):
+        bodies = workload(args, p.adapters, 100 + r, f"u{r}-")[: args.ttft_requests]
+        for with_batch in (r % 2 == 0, r % 2 == 1):
+            if not with_batch:
+                alone.append(
+                    await user_load(http, args, [{**b, "prompt": b["prompt"] + " a"} for b in bodies])
+                )
+                continue
+            batch_id = await start_batch(http, workload(args, p.adapters, 200 + r, f"bb{r}-"))
+            started = await wait_batch(http, batch_id, lambda s: s["request_counts"]["completed"] > 0)
+            before = started["request_counts"]["completed"]  # the runner has lines in the engine
+            beside.append(await user_load(http, args, [{**b, "prompt": b["prompt"] + " b"} for b in bodies]))
+            state = await batch_state(http, batch_id)
+            progressed.append(state["request_counts"]["completed"] - before)
+            await http.post(f"/v1/batches/{batch_id}/cancel")
+            await wait_batch(http, batch_id, lambda s: s["status"] in FINAL)
+    ratios = {
+        key: spread([b[key] / a[key] for a, b in zip(alone, beside, strict=True) if a[key]])
+        for key in ("ttft_p99", "itl_p99")
+    }
+    return {
+        "ttft_p99_ratio": ratios["ttft_p99"]["median"],
+        "itl_p99_ratio": ratios["itl_p99"]["median"],
+        "ratios": ratios,
+        "alone_ttft_p99_s": spread([a["ttft_p99"] for a in alone]),
+        "beside_ttft_p99_s": spread([b["ttft_p99"] for b in beside]),
+        "batch_lines_done_meanwhile": progressed,
+        "users": args.ttft_users,
+        "requests": args.ttft_requests,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=1000, help="N, the same for both peers")
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--prefixes", type=int, default=4, help="distinct shared prompt prefixes")
+    parser.add_argument("--prefix-words", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (each runs both peers)")
+    parser.add_argument("--in-flight", type=int, default=16, help="batches.max_in_flight_per_tenant")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kv-blocks", type=int, default=2048)
+    parser.add_argument("--slots", type=int, default=4, help="max_loras: fewer than adapters, so loads count")
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--ttft", action="store_true", help="also the interactive TTFT beside a batch")
+    parser.add_argument("--ttft-users", type=int, default=4)
+    parser.add_argument("--ttft-requests", type=int, default=40)
+    parser.add_argument(
+        "--tiny", action="store_true", help="the tiny model, 24 requests, once: checks it runs"
+    )
+    args = parser.parse_args()
+    if args.tiny:
+        args.preset, args.requests, args.adapters, args.prefixes, args.repeats = "tiny", 24, 3, 2, 1
+        args.prefix_words, args.max_tokens, args.ttft, args.ttft_requests, args.slots = 12, 4, True, 8, 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    with platform(args, Path(tempfile.mkdtemp(prefix="batch-bench-"))) as p:
+        result = asyncio.run(measure(args, p))
+    result.update(
+        requests=args.requests, adapters=args.adapters, prefixes=args.prefixes,
+        prefix_words=args.prefix_words, max_tokens=args.max_tokens, rounds=args.repeats,
+        in_flight_per_tenant=args.in_flight, max_num_seqs=args.max_num_seqs, slots=args.slots,
+        model=args.preset, machine=machine(),
+    )  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
