@@ -262,10 +262,13 @@ class LLMEngine:
 
     def _queues(self) -> dict[str, Any]:
         """The queue figures of stats() (per-tenant waits, per-adapter queues). They cost a
-        walk of the waiting queue, and stats() runs every step: recomputed at most every QUEUE_STATS_S."""
+        walk of the waiting queue, and stats() runs every step: recomputed at most every QUEUE_STATS_S,
+        and whenever nothing waits (no walk then; the loop's last stats before it idles must not keep
+        showing a queue that has drained)."""
         now = time.monotonic()
-        if self._queue_stats is not None and now - self._queue_stats[0] < QUEUE_STATS_S:
-            return self._queue_stats[1]
+        cached = self._queue_stats
+        if cached is not None and now - cached[0] < QUEUE_STATS_S and self.scheduler.waiting:
+            return cached[1]
         waiting = self.scheduler.waiting_by_tenant()
         queued = Counter(str(s.adapter) for s in self.scheduler.waiting if s.adapter is not None)
         top_n = self.config.stats_top_adapters
