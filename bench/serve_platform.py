@@ -180,18 +180,32 @@ def local_platform(
     }
     os.environ.update(env)  # build_app reads Settings here; workers get the same through runtime_env
     os.environ.pop("RAY_GCS_SERVER_PORT", None)  # unset: a local cluster takes a random GCS port, not 6379
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False,
              runtime_env={"env_vars": env})  # fmt: skip
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve()
         yield Platform(f"http://127.0.0.1:{port}", env["LORAPLEX_ADMIN_KEY"], model_dir, model)
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)  # the database, store and adapters: this run's only
+
+
+def _start_serve(attempts: int = 3) -> int:
+    """Serve's HTTP proxy on a free loopback port; another process may take the port between our probe
+    and the proxy's bind (the suite runs clusters side by side), so a lost race picks another."""
+    for attempt in range(1, attempts + 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except ray.exceptions.RayTaskError as error:
+            if "Failed to bind" not in str(error) or attempt == attempts:
+                raise
+            serve.shutdown()  # type: ignore[no-untyped-call]
+    raise AssertionError("unreachable")
 
 
 # -- adapters -----------------------------------------------------------------------------------------------
