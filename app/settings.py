@@ -110,11 +110,12 @@ class BatchesConfig(BaseModel):
         description="Whether this ingress replica runs batch lines (app/batches/runner.py); every one does.",
     )
     max_in_flight_per_tenant: int = Field(
-        default=16,
+        default=64,
         ge=1,
         description=(
             "Lines of one tenant's batches running at once, across replicas: its money is held only for "
-            "these, so a batch never starves the tenant's interactive requests of credit."
+            "these, so a batch never starves the tenant's interactive requests of credit. Above an "
+            "engine's rows (max_num_seqs), so its queue never runs dry between a line's end and the next."
         ),
     )
     max_in_flight: int = Field(

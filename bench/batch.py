@@ -109,6 +109,7 @@ def platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
             num_kv_blocks=args.kv_blocks,
             max_loras=args.slots,
             max_lora_rank=16,
+            batch_step_tokens=args.batch_step_tokens,
         ),
         adapter_digests=RegistryDigests(make_session_factory(make_engine(url))),  # as on a replica
     )
@@ -324,8 +325,12 @@ def main() -> None:
     parser.add_argument("--prefix-words", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="rounds (each runs both peers)")
-    parser.add_argument("--in-flight", type=int, default=16, help="batches.max_in_flight_per_tenant")
+    parser.add_argument("--in-flight", type=int, default=64, help="batches.max_in_flight_per_tenant")
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument(
+        "--batch-step-tokens", type=int, default=EngineConfig.model_fields["batch_step_tokens"].default,
+        help="the engine's batch_step_tokens: the batch class's tokens a step beside interactive work",
+    )  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-blocks", type=int, default=2048)
     parser.add_argument("--slots", type=int, default=4, help="max_loras: fewer than adapters, so loads count")
@@ -347,6 +352,7 @@ def main() -> None:
         requests=args.requests, adapters=args.adapters, prefixes=args.prefixes,
         prefix_words=args.prefix_words, max_tokens=args.max_tokens, rounds=args.repeats,
         in_flight_per_tenant=args.in_flight, max_num_seqs=args.max_num_seqs, slots=args.slots,
+        batch_step_tokens=args.batch_step_tokens,
         model=args.preset, machine=machine(),
     )  # fmt: skip
     print(json.dumps(result))

@@ -1,16 +1,15 @@
 """BatchRunner: runs the Batch API's lines on each ingress replica, started and stopped with its services
 (app/main.py's lifespan), as the sweepers are.
 
-Every tick it renews the leases of the lines it runs, claims queued lines up to its room
-(`max_in_flight`, and each tenant's `max_in_flight_per_tenant` across replicas: app/batches/leases.py),
-runs each through its endpoint's request lifecycle (app/batches/line_run.py: the `batch` engine class, the
-line's fixed request id, its money held, not the interactive rate limits), ends it with its answer, and
+It claims queued lines up to its room (`max_in_flight`, and each tenant's `max_in_flight_per_tenant`
+across replicas: app/batches/leases.py), runs each through its endpoint's request lifecycle
+(app/batches/line_run.py: the `batch` engine class, the line's fixed request id, its money held, not the
+interactive rate limits) and ends it with its answer; every `interval_s` it renews its lines' leases and
 finalizes the batches whose lines have all ended (app/batches/finalize.py). A line the platform failed
 (5xx, or a 429 that is not the tenant's money) goes back to the queue until `max_attempts`; a line's own
 failure (4xx, `insufficient_quota`) goes to the error file. Stopping a runner abandons its lines: their
-leases lapse and another runner claims them (their request ids are fixed, so each is billed once). Each
-tick reports the lines queued and running by tenant, and each claim and end is counted
-(app/batches/metrics.py).
+leases lapse and another runner claims them (their request ids are fixed, so each is billed once). It
+reports the lines queued and running by tenant, and counts each claim and end (app/batches/metrics.py).
 """
 
 import asyncio
@@ -56,6 +55,8 @@ class BatchRunner:
         self._principals: dict[tuple[str, str], tuple[float, Principal | None]] = {}
         self._queued = TenantGauge(LINES_QUEUED)
         self._running = TenantGauge(LINES_RUNNING)
+        self._housekept = 0.0  # when leases were last renewed, gauges reported, batches finalized
+        self._ended_since_claim = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -89,23 +90,38 @@ class BatchRunner:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
 
     async def tick(self) -> None:
-        """Renew, claim and start lines, and finalize what ended."""
-        if self._lines:
+        """Claim and start lines; every `interval_s` (or when nothing runs) also renew the leases, report
+        the gauges and finalize what ended. A line's end wakes a tick, so the claims keep the engine fed,
+        but the rest is not repeated for each of a fast batch's lines (a few queries each)."""
+        now = time.monotonic()
+        due = now - self._housekept >= self.interval_s or not self._lines
+        if due and self._lines:
             await run_in_threadpool(self.leases.renew, self.owner, list(self._lines.values()))
         room = self.config.max_in_flight - len(self._lines)
-        if room > 0:
+        if room > 0 and (due or self._ended_since_claim >= self.claim_at_least):
+            self._ended_since_claim = 0
             for line in await run_in_threadpool(self.leases.claim, self.owner, room):
                 task = asyncio.get_running_loop().create_task(self._line(line))
                 self._lines[task] = line
                 task.add_done_callback(self._ended)
                 LINES_CLAIMED.inc({"tenant": line.tenant_id})
         self._running.report(Counter(line.tenant_id for line in self._lines.values()))
+        if not due:
+            return
+        self._housekept = now
         self._queued.report(await run_in_threadpool(self.leases.queued_by_tenant))
         for batch_id in await run_in_threadpool(self.finisher.ready):
             await run_in_threadpool(self.finisher.finalize, batch_id)
 
+    @property
+    def claim_at_least(self) -> int:
+        """Between housekeeping ticks, a claim waits for this many lines to end: one claim per few lines,
+        while the lines still in flight keep the engine's queue from running dry."""
+        return max(1, min(self.config.max_in_flight, self.config.max_in_flight_per_tenant) // 4)
+
     def _ended(self, task: "asyncio.Task[None]") -> None:
         self._lines.pop(task, None)
+        self._ended_since_claim += 1
         self._wake.set()  # room for another line, and maybe a batch to finalize
 
     async def _line(self, line: Claimed) -> None:

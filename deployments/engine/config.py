@@ -169,6 +169,16 @@ class EngineConfig(BaseModel):
             "outputs cannot hold a replica. 0 turns it off (waiters take rows as they free)."
         ),
     )
+    batch_step_tokens: int = Field(
+        default=32,
+        ge=1,
+        description=(
+            "Tokens of the batch class (Batch API lines) one step may compute while interactive sequences "
+            "run or wait: decode rows and prefill chunks alike, so a batch beside live traffic adds a "
+            "bounded amount to each step (interactive latency) and still progresses. Without interactive "
+            "work the batch class gets the whole step (max_num_batched_tokens)."
+        ),
+    )
     adapter_wait_bound_s: float = Field(
         default=1.0,
         ge=0,

@@ -116,6 +116,7 @@ def build_engine_parts(
         adapter_min_residency_s=config.adapter_min_residency_s,
         scheduling=config.scheduling,
         fair_wait_bound_s=config.fair_wait_bound_s,
+        batch_step_tokens=config.batch_step_tokens,
     )
     runner = _model_runner(config, m, kv_cache, plan.max_model_len)
     sampler = Sampler(plan.vocab_size, m.device, seed=config.seed)

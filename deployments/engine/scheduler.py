@@ -75,6 +75,7 @@ class Scheduler:
         max_prompt_logprob_rows: int | None = None,
         scheduling: Scheduling = "fair",
         fair_wait_bound_s: float = 0.0,
+        batch_step_tokens: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.adapters = adapters
@@ -89,6 +90,9 @@ class Scheduler:
         self.fair_wait_bound_s = fair_wait_bound_s
         self.fair_preemptions = 0  # sequences preempted for a tenant past fair_wait_bound_s
         self.batch_preemptions = 0  # batch sequences preempted for a waiting interactive one
+        # Batch-class tokens a step may compute beside interactive work (None: no cap), and this step's left.
+        self.batch_step_tokens = batch_step_tokens
+        self._batch_budget = max_num_batched_tokens
         self._batch_waiting = 0  # waiting sequences of the batch class (kept in step with `waiting`)
         self.waiting: deque[Sequence] = deque()  # arrival order, preempted sequences in front
         # The same sequences per tenant, in the same order (kept in step with `waiting`; no empty deques).
@@ -205,7 +209,12 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         later: list[Sequence] = []  # batch prefills, while interactive sequences wait: after admission
-        if len(self.waiting) > self._batch_waiting and any(s.batch for s in prefills):
+        interactive_waits = len(self.waiting) > self._batch_waiting
+        beside_interactive = interactive_waits or any(not s.batch for s in self.running)
+        self._batch_budget = budget
+        if beside_interactive and self.batch_step_tokens is not None:
+            self._batch_budget = self.batch_step_tokens
+        if interactive_waits and any(s.batch for s in prefills):
             later = [s for s in prefills if s.batch]
             prefills = [s for s in prefills if not s.batch]
         for seq in decodes + prefills:
@@ -221,8 +230,12 @@ class Scheduler:
         if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
             return budget, rows
         n = self._chunk(seq, budget, rows)
+        if seq.batch:
+            n = min(n, self._batch_budget)
         if n == 0 or not self._make_room(seq, n, out):
             return budget, rows
+        if seq.batch:
+            self._batch_budget -= n
         out.scheduled.append(ScheduledSequence(seq, n))
         self._charge(seq, self._service(seq, n))
         return budget - n, rows - len(prompt_positions(seq, seq.num_computed, n))
@@ -363,6 +376,7 @@ class Scheduler:
             self._make_row(out)  # at most one a step: bounds the churn
         turn = self._plan_adapters() if self.waiting else []
         overdue_served = False  # at most one slot taken by force per step: bounds the churn
+        batch_slot_taken = False  # and at most one from the batch class
         for seq in self._candidates():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return budget, rows
@@ -370,6 +384,8 @@ class Scheduler:
                 continue  # another choice of the same prompt: its prefill will be the leader's cached blocks
             if seq.collects_prompt_logprobs and rows <= 0:
                 continue  # this step's logits rows for prompt logprobs are taken; others may still go
+            if seq.batch and self._batch_budget <= 0:
+                continue  # the batch class's share of this step is spent (batch_step_tokens)
             if seq.adapter is not None:
                 # Not its adapter's turn for a slot (nor resident): it waits in the rotation.
                 waits = seq.adapter not in turn and self.adapters.slots.lookup(seq.adapter) is None
@@ -386,6 +402,9 @@ class Scheduler:
                     log.exception("request %s: acquiring adapter %s failed", seq.group_id, seq.adapter)
                     self._refuse(seq, RequestFailed(), out)
                     continue
+                if slot is None and not seq.batch and not batch_slot_taken:
+                    slot = self._take_batch_slot(seq, out)
+                    batch_slot_taken = slot is not None
                 if slot is None and not overdue_served and seq.adapter == turn[0] and self._overdue(seq):
                     slot = self._take_slot(seq, out)
                     overdue_served = slot is not None
@@ -395,6 +414,8 @@ class Scheduler:
             first = seq.metrics.first_scheduled is None
             cached = 0 if seq.collects_prompt_logprobs else self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget, rows)
+            if seq.batch:
+                n = min(n, self._batch_budget)
             needed = self.blocks.blocks_needed(seq, seq.num_computed + n)
             if needed + self._watermark > self.blocks.num_free_blocks or not self.blocks.allocate(
                 seq, seq.num_computed + n
@@ -410,6 +431,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             self._charge(seq, cached * CACHED_TOKEN_SERVICE + self._service(seq, n))
+            if seq.batch:
+                self._batch_budget -= n
             budget -= n
             rows -= len(prompt_positions(seq, seq.num_computed, n))
         return budget, rows
@@ -465,6 +488,22 @@ class Scheduler:
         for user in [s for s in self.running if s.slot == victim]:
             self._preempt(user, out)
             self.slot_preemptions += 1
+        return self.adapters.acquire(seq.adapter)
+
+    def _take_batch_slot(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """An interactive request never waits for a slot that only batch sequences use: they give it up at
+        once (requeued at the front, resuming from the prefix cache), whatever its residency."""
+        assert seq.adapter is not None
+        interactive = {s.slot for s in self.running if not s.batch}
+        batch_only = {s.slot for s in self.running if s.slot >= 0 and s.slot not in interactive}
+        if not batch_only:
+            return None
+        victim = self.adapters.slot_to_free(seq.adapter, min_age_s=0.0, among=batch_only)
+        if victim is None:
+            return None
+        for user in [s for s in self.running if s.slot == victim]:
+            self._preempt(user, out)
+            self.batch_preemptions += 1
         return self.adapters.acquire(seq.adapter)
 
     def _release(self, seq: Sequence) -> None:

@@ -3,6 +3,7 @@ They are admitted after every waiting interactive one, a waiting interactive one
 batch one at once (it resumes from the prefix cache, its output unchanged), and the class comes before the
 fair order and FIFO. Driven through the real engine on the tiny model."""
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 from deployments.engine.interface import EngineRequest, SamplingParams
 from deployments.engine.llm_engine import LLMEngine
-from tests.engine.helpers import drain, make_engine
+from tests.engine.helpers import drain, make_engine, preload
 from tests.model_fixtures import TinySetup
 
 _first = iter(range(11, 10_000, 37))
@@ -25,6 +26,21 @@ def _request(rid: str, tenant: str, priority: str, max_tokens: int = 6) -> Engin
 
 def _tokens(outputs: list[Any]) -> list[int]:
     return [t for out in outputs for t in out.token_ids]
+
+
+def _stepping(
+    engine: LLMEngine, requests: list[EngineRequest]
+) -> tuple[dict[str, list[Any]], Callable[[], None]]:
+    """Add `requests`; the outputs by request id, and a step that collects into them."""
+    for r in requests:
+        engine.add_request(r)
+    outputs: dict[str, list[Any]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+
+    return outputs, step
 
 
 def _admitted(engine: LLMEngine) -> list[str]:
@@ -91,6 +107,80 @@ def test_a_batch_request_never_preempts_an_interactive_one(llama: TinySetup) -> 
     assert sum(engine.stats().preemptions_by_reason.values()) == 0
     drain(engine)
     engine.close()
+
+
+def test_beside_interactive_work_a_step_computes_at_most_batch_step_tokens_of_the_batch_class(
+    llama: TinySetup,
+) -> None:
+    """Alone, the batch class takes whole steps (its prompts' prefill in one); beside a running
+    interactive sequence, at most `batch_step_tokens` of its tokens a step, decode rows included, and it
+    still progresses to the same output."""
+    batch = [_request(f"b{i}", "offline", "batch", max_tokens=12) for i in range(4)]
+    reference = make_engine(llama, max_num_seqs=8)
+    for r in batch:
+        reference.add_request(replace(r, priority="interactive"))
+    alone = drain(reference)
+    reference.close()
+
+    engine = make_engine(llama, max_num_seqs=8, batch_step_tokens=3)
+    batch_tokens: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording() -> Any:
+        out = schedule()
+        batch_tokens.append(sum(s.num_tokens for s in out.scheduled if s.seq.batch))
+        return out
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    outputs, step = _stepping(engine, batch)
+    step()
+    assert batch_tokens[-1] == 4 * 8  # alone: every prompt whole in the first step
+    engine.add_request(_request("i0", "live", "interactive", max_tokens=30))
+    beside: list[int] = []
+    while engine.has_unfinished():
+        interactive = any(not s.batch for s in engine.scheduler.running + list(engine.scheduler.waiting))
+        step()
+        if interactive:
+            beside.append(batch_tokens[-1])
+    engine.close()
+    assert beside and max(beside) <= 3 and sum(beside) > 0  # capped, and progressing
+    for r in batch:
+        assert _tokens(outputs[r.request_id]) == _tokens(alone[r.request_id])
+    assert len(_tokens(outputs["i0"])) == 30
+
+
+def test_an_interactive_request_takes_a_slot_only_batch_sequences_use_at_once(llama: TinySetup) -> None:
+    """One slot, held by long batch requests on adapter x: an interactive request on y takes it the next
+    step (no wait bound, no residency), the batch ones resume after it with their output unchanged; a batch
+    request never takes a slot from an interactive one."""
+    x, y = llama.refs["demo-sql"], llama.refs["demo-poet"]
+    batch = [replace(_request(f"b{i}", "offline", "batch", max_tokens=40), adapter=x) for i in range(2)]
+    reference = make_engine(llama, max_loras=1, max_num_seqs=4)
+    preload(reference, llama)
+    for r in batch:
+        reference.add_request(replace(r, priority="interactive"))
+    alone = drain(reference)
+    reference.close()
+
+    # A wait bound and a residency far longer than the run: only the class moves the slot.
+    engine = make_engine(
+        llama, max_loras=1, max_num_seqs=4, adapter_wait_bound_s=3600, adapter_min_residency_s=3600
+    )
+    preload(engine, llama)
+    outputs, step = _stepping(engine, batch)
+    for _ in range(3):
+        step()
+    engine.add_request(replace(_request("i0", "live", "interactive", max_tokens=4), adapter=y))
+    step()
+    assert "i0" in _admitted(engine) and engine.stats().preemptions_by_reason["batch"] == 2
+    engine.add_request(replace(_request("b2", "offline", "batch", max_tokens=4), adapter=x))
+    while engine.has_unfinished():
+        step()
+    engine.close()
+    assert engine.stats().preemptions_by_reason["batch"] == 2  # b2 waited for the slot: no taking back
+    for r in batch:
+        assert _tokens(outputs[r.request_id]) == _tokens(alone[r.request_id])
+    assert len(_tokens(outputs["i0"])) == 4
 
 
 def test_the_priority_class_is_checked() -> None:

@@ -201,18 +201,19 @@ class AdapterManager:
                 min(busy, key=lambda s: (self._demand_of(s), self._remaining.get(s, 0)))
             )
 
-    def slot_to_free(self, ref: AdapterRef, *, min_age_s: float) -> int | None:
+    def slot_to_free(self, ref: AdapterRef, *, min_age_s: float, among: set[int] | None = None) -> int | None:
         """For a request overdue for a slot: the busy slot its users should give up (the least wanted, then
         the fewest users and remaining tokens), marked draining so it frees with its last user. Only slots
         loaded at least `min_age_s` ago qualify, so two adapters trade a slot no faster than that. None if
-        `ref`'s weights are not in CPU memory yet (preempting would not help) or no slot qualifies."""
+        `ref`'s weights are not in CPU memory yet (preempting would not help) or no slot qualifies.
+        `among`: only these slots may be chosen."""
         if not self.cpu.is_ready(ref):
             return None
         now = time.monotonic()
         candidates = [
             s
             for s in self.slots.drainable() + self.slots.draining()
-            if now - self.slots.claimed_at[s] >= min_age_s
+            if now - self.slots.claimed_at[s] >= min_age_s and (among is None or s in among)
         ]
         if not candidates:
             return None
