@@ -55,7 +55,7 @@ MAX_EXAMPLES = 10  # per operation, fuzzing phase (the coverage phase adds its b
 REQUEST_TIMEOUT_S = 30.0  # "no hang": every request is answered within this
 # The fuzz tier's cap, so completions stay short. Not below 16: /v1/completions defaults max_tokens to 16,
 # which a smaller cap refuses (400) whenever the request leaves it out.
-MAX_TOKENS_CAP = 16
+MAX_TOKENS_CAP = 4
 ERROR_KEYS = {"message", "type", "param", "code"}
 CHECKS = [not_a_server_error, response_schema_conformance]
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions")

@@ -1,6 +1,7 @@
 """Adapter-aware routing on a real Serve app with 3 engine replicas: bursts over 24 adapters load each
-adapter on exactly one replica with a hit rate of at least 95% after warm-up (Serve's default router
-measured on the same workload), and a replica killed mid-burst costs no lost or double-billed request."""
+adapter on exactly one replica with a hit rate of at least 95% after warm-up, and a replica killed
+mid-burst costs no lost or double-billed request. Serve's default router on the same workload (it loads
+adapters on several replicas) is bench/routing.py's peer, not repeated here."""
 
 import asyncio
 import json
@@ -106,20 +107,16 @@ def test_each_adapter_lives_on_one_replica_and_meets_its_requests_there(
     serve_app: ServeApp, adapters: tuple[str, list[str]]
 ) -> None:
     key, names = adapters
-    deploy(serve_app, "default")
-    default = workload(serve_app, key, names)
     deploy(serve_app, "adapter_aware")
     ours = workload(serve_app, key, names)
-    print("routing", json.dumps({"ours": _summary(ours), "default": _summary(default)}))
+    print("routing", json.dumps({"ours": _summary(ours)}))
 
-    assert ours["all"].requests == default["all"].requests == ADAPTERS * 5
+    assert ours["all"].requests == ADAPTERS * 5
     # Concurrent first requests agreed on one replica, and later bursts found the adapter there.
     spread = ours["all"].replicas_per_adapter
     assert len(spread) == ADAPTERS and all(len(where) == 1 for where in spread.values()), spread
     assert len({next(iter(where)) for where in spread.values()}) == REPLICAS  # the adapters are spread out
     assert ours["after"].hits >= 0.95 * ours["after"].requests
-    # Serve's default router, on the same workload, loads adapters on several replicas.
-    assert default["all"].loads > ADAPTERS
 
 
 def _summary(run: dict[str, RoutingDelta]) -> dict[str, Any]:
