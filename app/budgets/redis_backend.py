@@ -25,6 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from app.budgets.protocol import SETTLED_MEMORY_MS, BudgetBackend, BudgetReason, BudgetView, Hold, Periods
@@ -83,11 +84,21 @@ class RedisBudgets(BudgetBackend):
         return [f"{self._prefix}:{{{tenant}}}:{suffix}" for suffix in _SUFFIXES]
 
     async def _run(self, name: str, tenant: str, args: list[int | str]) -> Any:
-        try:
-            return await self._scripts[name](keys=self.keys(tenant), args=args)
-        except (RedisError, OSError) as error:
-            await self._redis.connection_pool.disconnect(inuse_connections=False)
-            raise LimiterUnavailable(f"redis budgets unavailable: {error!r}") from error
+        for attempt in (1, 2):
+            try:
+                return await self._scripts[name](keys=self.keys(tenant), args=args)
+            except RedisConnectionError as error:
+                await self._redis.connection_pool.disconnect(inuse_connections=False)
+                # Pooled connections that sat idle through a Redis restart are dead but look open: the
+                # first request after the outage would fail on one. Once more, on a new connection; every
+                # script is safe to replay (a hold replaces its request's, a settle is remembered, a credit
+                # applies its version once, a load its version).
+                if attempt == 2:
+                    raise LimiterUnavailable(f"redis budgets unavailable: {error!r}") from error
+            except (RedisError, OSError) as error:
+                await self._redis.connection_pool.disconnect(inuse_connections=False)
+                raise LimiterUnavailable(f"redis budgets unavailable: {error!r}") from error
+        raise AssertionError("unreachable")
 
     async def load(self, snapshot: BudgetSnapshot, version: int) -> None:
         fields: list[int | str] = [

@@ -8,12 +8,15 @@ import time
 import uuid
 
 import pytest
+import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.budgets.protocol import BudgetBackend, Periods
+from app.budgets.redis_backend import RedisBudgets
 from billing import credit, repository
 from billing.credit import BudgetSnapshot
 from billing.micros import to_micros
+from tests.limits.conftest import _delete_keys
 
 TENANT = "acme"
 TODAY = Periods(day="day:2026-11-27", month="month:2026-11")
@@ -190,3 +193,21 @@ async def test_two_writers_on_postgresql_and_reordered_notices_land_once(
     assert truth.balance == -35_000_000 and view is not None and view.balance == truth.balance
     refused = await budgets.reserve(tenant_id, rid(), 5_000_000, TTL, TODAY)
     assert (refused.admitted, refused.reason) == (False, "credit")
+
+
+async def test_redis_budgets_survive_a_pooled_connection_that_died(redis_url: str) -> None:
+    """A Redis restart leaves pooled connections dead but looking open; the next budget call must not
+    fail on one (it did: the load test's first request after a Redis outage got a 503)."""
+    prefix = f"loraplex-test:{uuid.uuid4().hex}"
+    budgets = RedisBudgets(redis_url, key_prefix=prefix)
+    killer = redis.Redis.from_url(redis_url)
+    try:
+        await budgets.load(snapshot(balance=1_000_000), 1)
+        pooled = await budgets._redis.client_id()  # the pool's one idle connection, as the server knows it
+        assert killer.client_kill_filter(_id=str(pooled)) == 1  # the server drops it; the pool does not know
+        hold = await budgets.reserve(TENANT, rid(), 1_000, TTL, TODAY)
+        assert hold.admitted and hold.view is not None and hold.view.reserved == 1_000
+    finally:
+        killer.close()
+        await budgets.aclose()
+        _delete_keys(redis_url, prefix)
