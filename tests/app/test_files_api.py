@@ -18,6 +18,7 @@ from sqlalchemy import select, update
 from app.settings import BatchesConfig, FilesConfig
 from billing.models import StoredFile, utcnow
 from tests.app.conftest import MODEL, Served, serving
+from tests.app.helpers import wait_for
 from tests.app.test_error_contract import assert_error
 from tests.model_fixtures import TinySetup
 
@@ -222,12 +223,13 @@ def test_a_file_expires_when_asked_and_the_sweep_removes_it_and_its_bytes(served
         )
     with pytest.raises(openai.NotFoundError):  # expired: missing at once
         client.files.retrieve(soon.id)
-    deadline = time.monotonic() + 10
-    while blob_path(served, tenant_id, soon.id).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not blob_path(served, tenant_id, soon.id).exists()
-    with served.services.session_factory() as s:
-        assert set(s.scalars(select(StoredFile.id).where(StoredFile.tenant_id == tenant_id))) == {kept.id}
+
+    def ids() -> set[str]:
+        with served.services.session_factory() as s:
+            return set(s.scalars(select(StoredFile.id).where(StoredFile.tenant_id == tenant_id)))
+
+    # The sweep removes the bytes, then the row: both go, the kept file stays.
+    wait_for(lambda: not blob_path(served, tenant_id, soon.id).exists() and ids() == {kept.id}, timeout=10)
     assert client.files.content(kept.id).read() == jsonl([line("b")])
 
 
