@@ -230,22 +230,26 @@ class Scheduler:
         if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
             return budget, rows
         n = self._chunk(seq, budget, rows)
-        if seq.batch:
-            n = min(n, self._batch_budget)
         if n == 0 or not self._make_room(seq, n, out):
             return budget, rows
-        if seq.batch:
-            self._batch_budget -= n
-        out.scheduled.append(ScheduledSequence(seq, n))
+        self._schedule(seq, n, out)
         self._charge(seq, self._service(seq, n))
         return budget - n, rows - len(prompt_positions(seq, seq.num_computed, n))
 
-    @staticmethod
-    def _chunk(seq: Sequence, budget: int, rows: int) -> int:
-        """Tokens of `seq` to compute now: within the step's budget, and for a prompt whose logprobs it
-        gathers, within the logits rows left (each of its positions takes one)."""
+    def _chunk(self, seq: Sequence, budget: int, rows: int) -> int:
+        """Tokens of `seq` to compute now: within the step's budget, for a batch-class sequence within that
+        class's share of the step left (`batch_step_tokens`), and for a prompt whose logprobs it gathers,
+        within the logits rows left (each of its positions takes one)."""
         n = min(seq.num_uncomputed, budget)
+        if seq.batch:
+            n = min(n, self._batch_budget)
         return min(n, rows) if seq.collects_prompt_logprobs else n
+
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Put `n` of `seq`'s tokens in this step, out of the batch class's share when it is a batch's."""
+        out.scheduled.append(ScheduledSequence(seq, n))
+        if seq.batch:
+            self._batch_budget -= n
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take a sequence out of the scheduler for good and free what it holds."""
@@ -414,8 +418,6 @@ class Scheduler:
             first = seq.metrics.first_scheduled is None
             cached = 0 if seq.collects_prompt_logprobs else self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget, rows)
-            if seq.batch:
-                n = min(n, self._batch_budget)
             needed = self.blocks.blocks_needed(seq, seq.num_computed + n)
             if needed + self._watermark > self.blocks.num_free_blocks or not self.blocks.allocate(
                 seq, seq.num_computed + n
@@ -429,10 +431,8 @@ class Scheduler:
             self._unqueue(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, n))
+            self._schedule(seq, n, out)
             self._charge(seq, cached * CACHED_TOKEN_SERVICE + self._service(seq, n))
-            if seq.batch:
-                self._batch_budget -= n
             budget -= n
             rows -= len(prompt_positions(seq, seq.num_computed, n))
         return budget, rows
