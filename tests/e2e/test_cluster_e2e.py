@@ -15,6 +15,7 @@ that reached an engine has exactly one usage row in PostgreSQL.
 """
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -103,6 +104,10 @@ class Node:
     process: subprocess.Popen[bytes]
     log: Path
     cache_dir: Path
+    # A worker node's `ray start` again, on new ports: one that exits before starting (a probed port taken
+    # by another cluster of the suite meanwhile) is started again, twice at most.
+    relaunch: Callable[[], tuple[subprocess.Popen[bytes], Path]] | None = None
+    relaunched: int = 0
 
     def cached(self) -> list[str]:
         """The adapter versions in this node's cache: `<adapter id>/v<N>`, from its directory names."""
@@ -135,7 +140,13 @@ class Node:
 
     def started(self) -> bool:
         if self.process.poll() is not None:
-            raise AssertionError(f"ray start for node {self.name} exited: {self.log.read_text()[-3000:]}")
+            output = self.log.read_text()[-3000:]
+            if self.relaunch is None or self.relaunched >= 2 or "Ray runtime started" in output:
+                raise AssertionError(f"ray start for node {self.name} exited: {output}")
+            print(f"ray start for node {self.name} exited before starting; again on new ports: {output}")
+            self.relaunched += 1
+            self.process, self.log = self.relaunch()
+            return False
         return "Ray runtime started" in self.log.read_text()
 
 
@@ -154,6 +165,15 @@ class Cluster:
 
     def start_node(self, name: str, resources: dict[str, float], *, head: bool = False) -> Node:
         """`ray start` as the README has it, plus the ports one host needs apart for several nodes."""
+        cache_dir = self.root / f"cache-{name}"
+        process, log = self._launch(name, resources, head, cache_dir)
+        relaunch = None if head else functools.partial(self._launch, name, resources, head, cache_dir)
+        node = self.nodes[name] = Node(name, process, log, cache_dir, relaunch)
+        return node
+
+    def _launch(
+        self, name: str, resources: dict[str, float], head: bool, cache_dir: Path
+    ) -> tuple[subprocess.Popen[bytes], Path]:
         args = [f"--resources={json.dumps(resources)}", "--num-cpus=1", "--disable-usage-stats", "--block"]
         args += [f"--{port}={free_port()}" for port in (
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
@@ -168,8 +188,7 @@ class Cluster:
             ]  # fmt: skip
         else:
             args.append(f"--address=127.0.0.1:{self.gcs_port}")
-        cache_dir = self.root / f"cache-{name}"
-        log = self.root / f"node-{name}.log"
+        log = self.root / f"node-{name}-{uuid.uuid4().hex[:6]}.log"
         own = {**self.env, **(self.ingress_env if head else {}), "LORAPLEX_ADAPTER_CACHE_DIR": str(cache_dir)}
         process = subprocess.Popen(
             [str(BIN / "ray"), "start", *args],
@@ -178,8 +197,7 @@ class Cluster:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # the node's session: see Node
         )
-        node = self.nodes[name] = Node(name, process, log, cache_dir)
-        return node
+        return process, log
 
     def api(self, path: str) -> Any:
         headers = {"authorization": f"Bearer {self.ray_token}"}
