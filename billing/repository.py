@@ -13,7 +13,7 @@ from decimal import Decimal, InvalidOperation
 from enum import Enum
 from typing import Final, Literal
 
-from sqlalchemy import delete, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from billing.errors import (
@@ -431,6 +431,27 @@ def disable_tenant(s: Session, *, tenant_id: str) -> Tenant:
         )
     s.flush()
     return tenant
+
+
+def lock_tenants(s: Session, *, tenant_ids: Sequence[str]) -> None:
+    """Hold the tenants' rows until the transaction ends, so that writes that count a tenant's rows before
+    adding to them (its batch lines in flight, its stored bytes) run one at a time per tenant, on every
+    replica. PostgreSQL: FOR NO KEY UPDATE, which other rows' foreign keys to the tenant do not wait for, in
+    id order (two writers never deadlock). SQLite has no row locks: there the caller writes before it counts
+    (a transaction's first write takes the database's write lock until it ends)."""
+    if tenant_ids:
+        query = select(Tenant.id).where(Tenant.id.in_(sorted(set(tenant_ids)))).order_by(Tenant.id)
+        s.execute(query.with_for_update(key_share=True)).all()
+
+
+def stored_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
+    """What the tenant's live stored responses and files take together: what its storage quota
+    (max_stored_response_bytes) is read against."""
+    live_responses = (StoredResponse.tenant_id == tenant_id) & (StoredResponse.expires_at > now)
+    live_files = (StoredFile.tenant_id == tenant_id) & (StoredFile.expires_at > now)
+    responses = s.scalar(select(func.coalesce(func.sum(StoredResponse.size_bytes), 0)).where(live_responses))
+    files = s.scalar(select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(live_files))
+    return int(responses or 0) + int(files or 0)
 
 
 def _check_name_free(s: Session, name: str) -> None:

@@ -5,8 +5,9 @@ A claim is one conditional UPDATE per batch (`queued`, or `running` with a lapse
 under this runner's lease), then a read of what this runner got: two replicas racing for the same lines
 each get only what their UPDATE changed. Only batches `in_progress` and not past their window are claimed
 from; the batch row is locked meanwhile (FOR UPDATE on PostgreSQL, as BatchStore.cancel does), so no line
-starts in a batch being cancelled. A tenant's running lines, on every replica, stay within
-`max_in_flight_per_tenant`. Lines of one model are claimed together (adapter loads and prefixes shared).
+starts in a batch being cancelled. A tenant's running lines, on every replica and across its batches, stay
+within `max_in_flight_per_tenant` (its tenant row is locked while a claim counts them). Lines of one model
+are claimed together (adapter loads and prefixes shared).
 A line ends (`done`, `failed`, or back to `queued` for another try) only while its lease is this runner's:
 one that lapsed and was claimed again is the new owner's, and ends once. Blocking: run in a thread.
 """
@@ -21,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from app.settings import BatchesConfig
 from billing.models import Batch, BatchLine, utcnow
+from billing.repository import lock_tenants
 
 LOST = {
     "code": "batch_line_lost",
@@ -73,6 +75,13 @@ class LineLeases:
                     .order_by(Batch.created_at, Batch.id)
                 )
             )
+            # Claims of one tenant's lines, on every replica, one at a time, its running lines counted only
+            # then (when any other runner's claim has committed): its row locked before any other row, and on
+            # SQLite a write (failing the lines of exhausted leases) before the count. Each batch's own lock
+            # guards its cancel.
+            lock_tenants(s, tenant_ids=[batch.tenant_id for batch in batches])
+            for batch in batches:
+                self._fail_exhausted(s, batch.id, now)
             running = self._running_by_tenant(s, now)
             for batch in batches:
                 free = min(
@@ -86,7 +95,6 @@ class LineLeases:
                 status = s.scalar(select(Batch.status).where(Batch.id == batch.id).with_for_update())
                 if status != "in_progress":
                     continue
-                self._fail_exhausted(s, batch.id, now)
                 got = self._claim_lines(s, batch, owner, free, now)
                 running[batch.tenant_id] = running.get(batch.tenant_id, 0) + len(got)
                 claimed.extend(got)
