@@ -18,7 +18,7 @@ from app.cursor_page import list_page
 from app.deps import ReaderDep, ServicesDep, TenantDep
 from app.errors import FileQuotaExceeded, InvalidParameter, NotFound
 from app.files.jsonl import JsonlCheck
-from app.files.store import FileRecord, FileStore
+from app.files.store import FileRecord, FileStore, QuotaExceeded
 from app.responses.store import ResponseStore
 from app.routes.guarded import TenantRoute
 from app.services import Services
@@ -89,17 +89,22 @@ async def _store(upload: Upload, check: JsonlCheck, principal: Principal, servic
         used = (await run_in_threadpool(stored_bytes, responses, store, principal.tenant_id)).total
         if used + received.size > quota:
             raise FileQuotaExceeded(used=used, needed=received.size, quota=quota, tier=principal.tier)
-    return await run_in_threadpool(
-        lambda: store.create(
-            principal.tenant_id,
-            purpose=purpose,
-            filename=received.filename or "upload.jsonl",
-            source=received.path,
-            size=received.size,
-            lines=check.lines,
-            expires_at=utcnow() + lifetime,
+    try:
+        return await run_in_threadpool(
+            lambda: store.create(
+                principal.tenant_id,
+                purpose=purpose,
+                filename=received.filename or "upload.jsonl",
+                source=received.path,
+                size=received.size,
+                lines=check.lines,
+                expires_at=utcnow() + lifetime,
+                quota=quota,
+            )
         )
-    )
+    except QuotaExceeded as full:  # concurrent uploads passed the check above together
+        tier = principal.tier
+        raise FileQuotaExceeded(used=full.used, needed=full.needed, quota=full.quota, tier=tier) from None
 
 
 def _early(name: str, value: str) -> None:

@@ -22,6 +22,7 @@ from adapters.errors import AdapterStoreUnavailable
 from app.cursor_page import Order, beyond
 from app.files.blobs import FileBlobs
 from billing.models import StoredFile, utcnow
+from billing.repository import lock_tenants, stored_bytes
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,14 @@ class FileRecord:
         }
 
 
+class QuotaExceeded(Exception):
+    """The file would take its tenant past its storage quota."""
+
+    def __init__(self, used: int, needed: int, quota: int) -> None:
+        super().__init__(f"{used} + {needed} > {quota}")
+        self.used, self.needed, self.quota = used, needed, quota
+
+
 class FileStore:
     def __init__(self, sessions: Callable[[], Session], blobs: FileBlobs) -> None:
         self.sessions = sessions
@@ -92,10 +101,13 @@ class FileStore:
         size: int,
         lines: int,
         expires_at: datetime,
+        quota: int | None = None,
     ) -> FileRecord:
         """Store the local file `source` as a new file of the tenant (the batch runner writes its output
         files with this too, purpose batch_output). The bytes first, then the row; if the row cannot be
-        written the bytes go again."""
+        written the bytes go again. With a `quota`, the row is written only if the tenant's stored bytes
+        (responses and files) with it stay within it, else QuotaExceeded: counted in the row's transaction
+        under the tenant's lock, so concurrent uploads cannot pass it together."""
         file_id = new_file_id()
         key = self.blobs.key(tenant_id, file_id)
         self.blobs.put(key, source)
@@ -112,8 +124,13 @@ class FileStore:
         )
         try:
             with self.sessions() as s, s.begin():
+                lock_tenants(s, tenant_ids=[tenant_id])
                 s.add(row)
-                s.flush()
+                s.flush()  # before counting: on SQLite, the write lock
+                if quota is not None:
+                    used = stored_bytes(s, tenant_id=tenant_id, now=row.created_at) - size
+                    if used + size > quota:
+                        raise QuotaExceeded(used, size, quota)
                 return FileRecord.of(row)
         except BaseException:
             self.blobs.remove(key)
