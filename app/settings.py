@@ -134,10 +134,22 @@ class BatchesConfig(BaseModel):
         default=1.0, gt=0, description="How often an idle runner looks for queued lines and finished batches."
     )
     max_attempts: int = Field(
-        default=3,
+        default=8,
         ge=1,
-        description="Claims of one line (the platform failed it, 5xx, or its runner died) before it fails.",
+        description=(
+            "Claims of one line (the platform failed it, 5xx, or its runner died) before it fails; with "
+            "the retry waits, about three minutes of an engine that is down or restarting."
+        ),
     )
+    retry_base_s: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "Wait before a line the platform failed runs again (its engine restarting, say), doubled at "
+            "each try up to retry_max_s: a line does not spend its attempts while an engine is down."
+        ),
+    )
+    retry_max_s: float = Field(default=60.0, gt=0, description="Longest wait before a line runs again.")
 
 
 class Settings(BaseSettings):

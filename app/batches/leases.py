@@ -7,9 +7,9 @@ each get only what their UPDATE changed. Only batches `in_progress` and not past
 from; the batch row is locked meanwhile (FOR UPDATE on PostgreSQL, as BatchStore.cancel does), so no line
 starts in a batch being cancelled. A tenant's running lines, on every replica and across its batches, stay
 within `max_in_flight_per_tenant` (its tenant row is locked while a claim counts them). Lines of one model
-are claimed together (adapter loads and prefixes shared).
-A line ends (`done`, `failed`, or back to `queued` for another try) only while its lease is this runner's:
-one that lapsed and was claimed again is the new owner's, and ends once. Blocking: run in a thread.
+are claimed together (adapter loads and prefixes shared). A line ends (`done`, `failed`, or back to
+`queued` for another try, not before a wait its lease_expires_at holds) only while its lease is this
+runner's: one that lapsed and was claimed again is the new owner's, and ends once. Blocking: run in a thread.
 """
 
 from collections.abc import Callable
@@ -50,9 +50,15 @@ class Claimed:
     endpoint: str
 
 
+def _lapsed(now: datetime) -> ColumnElement[bool]:
+    return and_(BatchLine.state == "running", BatchLine.lease_expires_at < now)
+
+
 def _claimable(now: datetime) -> ColumnElement[bool]:
-    lapsed = and_(BatchLine.state == "running", BatchLine.lease_expires_at < now)
-    return or_(BatchLine.state == "queued", lapsed)
+    """Queued and not waiting to be retried (a queued line's lease_expires_at is when it may run again,
+    or null), or running under a lease that lapsed."""
+    ready = or_(BatchLine.lease_expires_at.is_(None), BatchLine.lease_expires_at <= now)
+    return or_(and_(BatchLine.state == "queued", ready), _lapsed(now))
 
 
 class LineLeases:
@@ -111,14 +117,14 @@ class LineLeases:
         return {tenant: int(count) for tenant, count in rows.tuples()}
 
     def queued_by_tenant(self) -> dict[str, int]:
-        """Lines of batches in progress that a runner could claim now (queued, or their lease lapsed), per
-        tenant: what the batch metrics show as queued."""
+        """Lines of batches in progress waiting for a runner (queued, a retry's wait included, or their
+        lease lapsed), per tenant: what the batch metrics show as queued."""
         now = utcnow()
         with self.sessions() as s:
             rows = s.execute(
                 select(Batch.tenant_id, func.count())
                 .join(BatchLine, BatchLine.batch_id == Batch.id)
-                .where(Batch.status == "in_progress", _claimable(now))
+                .where(Batch.status == "in_progress", or_(BatchLine.state == "queued", _lapsed(now)))
                 .group_by(Batch.tenant_id)
             )
             return {tenant: int(count) for tenant, count in rows.tuples()}
@@ -234,10 +240,11 @@ class LineLeases:
                 s.execute(update(Batch).where(Batch.id == line.batch_id).values(**counter))
             return bool(ended)
 
-    def requeue(self, owner: str, line: Claimed) -> bool:
-        """Give a line back for another try (the platform failed it, not its body)."""
+    def requeue(self, owner: str, line: Claimed, wait_s: float) -> bool:
+        """Give a line back for another try (the platform failed it, not its body), not before `wait_s`."""
+        again = utcnow() + timedelta(seconds=wait_s)
         with self.sessions() as s, s.begin():
-            back = self._own(owner, line).values(state="queued", lease_owner=None, lease_expires_at=None)
+            back = self._own(owner, line).values(state="queued", lease_owner=None, lease_expires_at=again)
             return bool(changed(s, back.execution_options(synchronize_session=False)))
 
     @staticmethod

@@ -6,8 +6,10 @@ across replicas: app/batches/leases.py), runs each through its endpoint's reques
 (app/batches/line_run.py: the `batch` engine class, the line's fixed request id, its money held, not the
 interactive rate limits) and ends it with its answer; every `interval_s` it renews its lines' leases and
 finalizes the batches whose lines have all ended (app/batches/finalize.py). A line the platform failed
-(5xx, or a 429 that is not the tenant's money) goes back to the queue until `max_attempts`; a line's own
-failure (4xx, `insufficient_quota`) goes to the error file. Stopping a runner abandons its lines: their
+(5xx, or a 429 that is not the tenant's money) goes back to the queue until `max_attempts`, unbilled, and
+runs again after a wait that doubles at each try (`retry_base_s` up to `retry_max_s`: an engine that is down
+or restarting does not use up its attempts); a line's own failure (4xx, `insufficient_quota`) goes to the
+error file. Stopping a runner abandons its lines: their
 leases lapse and another runner claims them (their request ids are fixed, so each is billed once). It
 reports the lines queued and running by tenant, and counts each claim and end (app/batches/metrics.py).
 """
@@ -132,7 +134,8 @@ class BatchRunner:
                 return
             answer = await run_line(self.services, principal, line)
             if not answer.ok and _retryable(answer) and line.attempts < self.config.max_attempts:
-                if await run_in_threadpool(self.leases.requeue, self.owner, line):
+                wait_s = min(self.config.retry_max_s, self.config.retry_base_s * 2 ** (line.attempts - 1))
+                if await run_in_threadpool(self.leases.requeue, self.owner, line, wait_s):
                     LINES_ENDED.inc({"tenant": line.tenant_id, "outcome": "requeued"})
                 return
             response = {"status_code": answer.status_code, "body": answer.body}

@@ -253,9 +253,11 @@ class RequestLifecycle:
             if self.admission is not None:
                 await self.admission.release(0)
             return
-        if status == "aborted" and self.priority == "batch":
-            # Its runner stopped: the line runs again under the same request id, metered and charged then,
-            # once (a usage row and a settled hold of this attempt would take that id first).
+        if self.priority == "batch" and status in ("aborted", "failed"):
+            # A Batch API line is billed only for the run that answers it: one whose runner stopped, or that
+            # the platform failed, runs again under the same request id, metered and charged then, once (a
+            # usage row and a settled hold of this try would take that id first); one that fails for good
+            # goes to the error file unbilled.
             if self.admission is not None:
                 await self.admission.abandon()
             return

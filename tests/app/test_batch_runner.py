@@ -1,13 +1,13 @@
 """The batch runner (issue 37, items 3-5) through the official OpenAI SDK over the in-process app and a real
 engine: batches of each endpoint run to `completed` with an output file keyed by custom_id, a line's own
 failure in the error file, cancel mid-run, a runner stopped mid-batch whose lines another finishes (each
-custom_id once, each line metered once), and a tenant out of money (insufficient_quota lines, no
-overspend)."""
+custom_id once, each line metered once), an engine that fails every line for a while (retried after waits,
+billed once, for the run delivered), and a tenant out of money (insufficient_quota lines, no overspend)."""
 
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -23,6 +23,7 @@ from app.batches.runner import BatchRunner
 from app.metrics import MEMORY
 from app.settings import BatchesConfig
 from billing.models import Batch, UsageEvent, utcnow
+from deployments.engine.interface import EngineRequest, EngineStopped, RequestOutput
 from tests.app.conftest import Served, serving
 from tests.app.helpers import wait_for
 from tests.app.test_batches_api import create, lines_of, request_line
@@ -37,7 +38,13 @@ PER_TENANT = 2
 @pytest.fixture(scope="module")
 def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Short leases (a stopped runner's lines are claimed again within a second) and few lines in flight."""
-    batches = BatchesConfig(lease_s=1.0, poll_interval_s=0.05, max_in_flight_per_tenant=PER_TENANT)
+    batches = BatchesConfig(
+        lease_s=1.0,
+        poll_interval_s=0.05,
+        max_in_flight_per_tenant=PER_TENANT,
+        retry_base_s=0.2,
+        retry_max_s=0.8,
+    )
     with serving(llama, tmp_path_factory.mktemp("runner"), batches=batches) as app:
         with app.admin() as admin:
             reply = admin.post("/admin/tiers", json={"name": "metered", "description": "priced", **PRICES})
@@ -193,6 +200,71 @@ def test_a_stopped_runners_lines_are_finished_by_another_each_once_and_metered_o
     for line in output.values():  # the run delivered is the one billed
         response = line["response"]
         assert metered[response["request_id"]] == response["body"]["usage"]["completion_tokens"]
+
+
+class _LostEngine:
+    """The engine client, except that until `until` each batch-class request fails after its first token, as
+    when the engine replica running it is lost (the engine accepted it and ran some of it)."""
+
+    def __init__(self, inner: Any, until: float) -> None:
+        self.inner, self.until, self.failed = inner, until, 0
+
+    def generate(self, base_model: str, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        outputs = self.inner.generate(base_model, request)
+        if request.priority != "batch" or time.monotonic() >= self.until:
+            return outputs  # type: ignore[no-any-return]
+        self.failed += 1
+        return self._fails_after_a_token(outputs)
+
+    @staticmethod
+    async def _fails_after_a_token(
+        outputs: AsyncGenerator[RequestOutput, None],
+    ) -> AsyncGenerator[RequestOutput, None]:
+        try:
+            async for out in outputs:
+                yield out
+                if out.token_ids:
+                    break
+        finally:
+            await outputs.aclose()
+        raise EngineStopped("the replica running it was lost")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_lines_an_engine_fails_for_a_while_are_retried_after_waits_and_billed_once_for_the_run_delivered(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every try fails for 1.5 s (an engine replica restarting): the lines wait between tries (0.2 s
+    doubling, not at once: three immediate tries would have spent their attempts), none reaches the error
+    file, and each is billed once, for the run that answered it (a failed try's usage row would have taken
+    its request id first)."""
+    _, client = client_for(served)
+    lost = _LostEngine(served.services.engine, time.monotonic() + 1.5)
+    monkeypatch.setattr(served.services, "engine", lost)
+    batch = _slow_batch(client, 4)
+    done = finished(client, batch.id)
+    assert done.status == "completed" and lost.failed >= 4
+    output, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
+    assert sorted(output) == [f"line-{i}" for i in range(4)] and not errors
+    rows = lines_of(served, batch.id)
+    assert all(2 <= row.attempts < BatchesConfig().max_attempts for row in rows)
+    ids = [row.request_id for row in rows]
+    wait_for(lambda: usage_rows(served, ids) == dict.fromkeys(ids, 1), timeout=10)
+    with served.services.session_factory() as s:
+        billed = {
+            rid: (status, tokens)
+            for rid, status, tokens in s.execute(
+                select(UsageEvent.request_id, UsageEvent.status, UsageEvent.completion_tokens).where(
+                    UsageEvent.request_id.in_(ids)
+                )
+            )
+        }
+    for line in output.values():
+        response = line["response"]
+        usage = response["body"]["usage"]["completion_tokens"]
+        assert billed[response["request_id"]] == ("completed", usage) and usage == 24
 
 
 def test_batch_line_metrics_follow_each_tenants_lines_queued_running_and_ended(served: Served) -> None:
