@@ -8,7 +8,7 @@ line-numbered errors. Running the lines is the runner's (not here).
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -30,7 +30,9 @@ def _missing(batch_id: str) -> NotFound:
 
 
 @router.post("/batches")
-async def create_batch(body: BatchCreate, principal: TenantDep, services: ServicesDep) -> JSONResponse:
+async def create_batch(
+    body: BatchCreate, principal: TenantDep, services: ServicesDep, request: Request
+) -> JSONResponse:
     config = services.settings.batches
     files = services.file_store()
     record = await run_in_threadpool(files.get, principal.tenant_id, body.input_file_id)
@@ -54,7 +56,11 @@ async def create_batch(body: BatchCreate, principal: TenantDep, services: Servic
     )
     if found.errors:
         return JSONResponse(await run_in_threadpool(batches.create_failed, new, found.errors))
-    return JSONResponse(await run_in_threadpool(_create, batches, files, record, new, found.lines))
+    created = await run_in_threadpool(_create, batches, files, record, new, found.lines)
+    runner = getattr(request.app.state, "batch_runner", None)
+    if runner is not None:
+        runner.wake()  # this replica starts its lines now; the others find them at their next poll
+    return JSONResponse(created)
 
 
 def _scan(files: FileStore, record: FileRecord, endpoint: str, max_errors: int, max_models: int) -> Scan:

@@ -79,15 +79,19 @@ class BatchRunner:
     def interval_s(self) -> float:
         return min(self.config.poll_interval_s, self.config.lease_s / 3)  # leases renewed thrice per life
 
+    def wake(self) -> None:
+        """Tick now (a batch was created here): its lines start at once, not at the next poll."""
+        self._wake.set()
+
     async def _run(self) -> None:
         while True:
+            self._wake.clear()  # before the tick: a line that ends during it wakes the next one
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the database is away: the next tick tries again
                 log.warning("batch runner tick failed: %s", error)
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
 
