@@ -348,18 +348,24 @@ class Scheduler:
         )
 
     def _make_row(self, out: SchedulerOutput) -> None:
-        """All rows are taken. The next waiting sequence is interactive and a batch one runs: preempt the
-        newest batch sequence for it, at once. Or (fair) the next waited past fair_wait_bound_s: preempt the
-        newest sequence of the most served other tenant (served more than the waiter's tenant; of the batch
-        class for a batch waiter) for it."""
+        """All rows are taken. The next waiting sequence is interactive and batch ones run: preempt the
+        newest batch sequences, one for each interactive sequence waiting, at once (one a step made the
+        fourth of four arrivals wait four steps). Or (fair) the next waited past fair_wait_bound_s: preempt
+        the newest sequence of the most served other tenant (served more than the waiter's tenant; of the
+        batch class for a batch waiter) for it."""
         head = next(self._candidates(), None)
         if head is None:
             return
         if not head.batch:
-            victim = self._newest_batch()
-            if victim is not None:
+            preempted = 0
+            while preempted < len(self.waiting) - self._batch_waiting:
+                victim = self._newest_batch()
+                if victim is None:
+                    break
                 self._preempt(victim, out)
                 self.batch_preemptions += 1
+                preempted += 1
+            if preempted:
                 return
         bound, now = self.fair_wait_bound_s, time.monotonic()
         if bound <= 0 or self.scheduling != "fair" or now - head.metrics.waiting_since() < bound:

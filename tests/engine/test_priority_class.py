@@ -95,6 +95,25 @@ def test_an_interactive_request_takes_a_batch_row_at_once_and_the_batch_output_i
     assert len(_tokens(outputs["i0"])) == 4
 
 
+def test_interactive_requests_arriving_together_take_batch_rows_in_one_step(llama: TinySetup) -> None:
+    """One batch row for each interactive request waiting, in the same step (one a step made the third
+    of three arrivals wait three steps), and no more."""
+    engine = make_engine(llama, max_num_seqs=4, fair_wait_bound_s=0.0)
+    batch = [_request(f"b{i}", "offline", "batch", max_tokens=60) for i in range(4)]
+    outputs, step = _stepping(engine, batch)
+    for _ in range(3):
+        step()
+    assert _admitted(engine) == ["b0", "b1", "b2", "b3"]
+    for i in range(3):
+        engine.add_request(_request(f"i{i}", f"live{i}", "interactive", max_tokens=4))
+    step()
+    assert _admitted(engine) == ["b0", "i0", "i1", "i2"]  # the three newest batch rows gave way
+    assert engine.stats().preemptions_by_reason["batch"] == 3
+    drain(engine)
+    engine.close()
+    assert len(_tokens(outputs["b0"])) > 0
+
+
 def test_a_batch_request_never_preempts_an_interactive_one(llama: TinySetup) -> None:
     engine = make_engine(llama, max_num_seqs=2, fair_wait_bound_s=0.01)
     engine.add_request(_request("i0", "live", "interactive", max_tokens=40))
