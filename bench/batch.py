@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.bootstrap import build_services
 from app.main import create_app
@@ -48,6 +50,7 @@ from bench.serve_platform import build_adapters
 from billing.adapter_digests import RegistryDigests
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
+from billing.models import UsageEvent
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.interface import LocalEngineClient
@@ -83,6 +86,7 @@ class Platform:
     url: str
     key: str
     adapters: list[str]
+    sessions: Callable[[], Session]  # the platform's database: the engine's own queue and TTFT per request
 
 
 @contextmanager
@@ -127,7 +131,7 @@ def platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
                 for name, path in zip(names, dirs, strict=True):
                     reply = post_adapter(admin, name, tenant["id"], path, base_model=MODEL)
                     assert reply.status_code == 201, reply.text
-            yield Platform(server.url, key, names)
+            yield Platform(server.url, key, names, services.session_factory)
     finally:
         watcher.stop()
         engine.shutdown()
@@ -207,34 +211,60 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def streamed(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, list[float]]:
-    """(TTFT, inter-token gaps) of one streamed request, as the client sees them."""
+async def streamed(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, list[float], str]:
+    """(TTFT, inter-token gaps) of one streamed request, as the client sees them, and its request id."""
     start = time.perf_counter()
     stamps: list[float] = []
+    request_id = ""
     async with http.stream("POST", ENDPOINT, json={**body, "stream": True}) as reply:
         assert reply.status_code == 200, await reply.aread()
         async for line in reply.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+            if line.startswith("data: {") and (chunk := json.loads(line[6:]))["choices"]:
                 stamps.append(time.perf_counter())
-    return stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)]
+                request_id = chunk["id"]  # the chunks' id is the request's id
+    return stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)], request_id
 
 
 async def user_load(
     http: httpx.AsyncClient, args: argparse.Namespace, bodies: list[dict[str, Any]]
-) -> dict[str, float]:
-    """`--ttft-users` users sending their share of bodies one after another: TTFT and gap p99."""
+) -> tuple[dict[str, float], list[str]]:
+    """`--ttft-users` users sending their share of bodies one after another: TTFT and gap p99, and the
+    requests' ids."""
     ttfts: list[float] = []
     gaps: list[float] = []
+    ids: list[str] = []
 
     async def user(mine: list[dict[str, Any]]) -> None:
         for body in mine:
-            ttft, between = await streamed(http, body)
+            ttft, between, request_id = await streamed(http, body)
             ttfts.append(ttft)
             gaps.extend(between)
+            ids.append(request_id)
 
     users = args.ttft_users
     await asyncio.gather(*(user(bodies[u::users]) for u in range(users)))
-    return {"ttft_p99": percentile(ttfts, 0.99), "itl_p99": percentile(gaps, 0.99) if gaps else 0.0}
+    return {"ttft_p99": percentile(ttfts, 0.99), "itl_p99": percentile(gaps, 0.99) if gaps else 0.0}, ids
+
+
+def engine_side(sessions: Callable[[], Session], ids: list[str]) -> dict[str, float]:
+    """The engine's own view of these requests, from their usage rows: the time from arrival to first
+    scheduled (queue) and to first token, p50/p90/max in ms. What the client saw beyond it was spent before
+    the engine (the app, its event loop) or after (delivery)."""
+    deadline = time.monotonic() + 30
+    while True:  # usage rows are written in the background
+        with sessions() as s:
+            query = select(UsageEvent.queue_ms, UsageEvent.ttft_ms).where(UsageEvent.request_id.in_(ids))
+            rows = list(s.execute(query).tuples())
+        if len(rows) >= len(ids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    queue = [q for q, _ in rows]
+    first = [t for _, t in rows if t is not None]
+    summary: dict[str, float] = {}
+    for name, values in (("queue_ms", queue), ("ttft_ms", first)):
+        for label, q in (("p50", 0.5), ("p90", 0.9), ("max", 1.0)):
+            summary[f"{name}_{label}"] = round(percentile(values, q), 1) if values else 0.0
+    return summary
 
 
 async def measure(args: argparse.Namespace, p: Platform) -> dict[str, Any]:
@@ -282,19 +312,24 @@ async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Plat
     """The streaming user load alone and beside a running batch, in turns; the batch is cancelled after."""
     alone: list[dict[str, float]] = []
     beside: list[dict[str, float]] = []
+    ids: dict[str, list[str]] = {"alone": [], "beside": []}
     progressed: list[int] = []
     for r in range(args.repeats):
         bodies = workload(args, p.adapters, 100 + r, f"u{r}-")[: args.ttft_requests]
         for with_batch in (r % 2 == 0, r % 2 == 1):
             if not with_batch:
-                alone.append(
-                    await user_load(http, args, [{**b, "prompt": b["prompt"] + " a"} for b in bodies])
+                seen, sent = await user_load(
+                    http, args, [{**b, "prompt": b["prompt"] + " a"} for b in bodies]
                 )
+                alone.append(seen)
+                ids["alone"] += sent
                 continue
             batch_id = await start_batch(http, workload(args, p.adapters, 200 + r, f"bb{r}-"))
             started = await wait_batch(http, batch_id, lambda s: s["request_counts"]["completed"] > 0)
             before = started["request_counts"]["completed"]  # the runner has lines in the engine
-            beside.append(await user_load(http, args, [{**b, "prompt": b["prompt"] + " b"} for b in bodies]))
+            seen, sent = await user_load(http, args, [{**b, "prompt": b["prompt"] + " b"} for b in bodies])
+            beside.append(seen)
+            ids["beside"] += sent
             state = await batch_state(http, batch_id)
             progressed.append(state["request_counts"]["completed"] - before)
             await http.post(f"/v1/batches/{batch_id}/cancel")
@@ -310,6 +345,9 @@ async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Plat
         "alone_ttft_p99_s": spread([a["ttft_p99"] for a in alone]),
         "beside_ttft_p99_s": spread([b["ttft_p99"] for b in beside]),
         "batch_lines_done_meanwhile": progressed,
+        "engine_side": {  # every round's requests together
+            kind: await asyncio.to_thread(engine_side, p.sessions, sent) for kind, sent in ids.items()
+        },
         "users": args.ttft_users,
         "requests": args.ttft_requests,
     }

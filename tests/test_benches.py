@@ -133,6 +133,9 @@ def test_the_bench_runs_in_its_tiny_mode(bench: str, request: pytest.FixtureRequ
     # Every figure says which machine gave it (bench.measure.machine()).
     assert isinstance(data.get("machine"), dict), f"{bench} printed no machine: {sorted(data)}"
     assert {"cpu", "isa", "threads"} <= set(data["machine"]), f"{bench} machine: {data['machine']}"
+    if bench == "batch":  # the engine's own queue time of every streamed request, found by its id
+        engine_side = data["beside_batch"]["engine_side"]
+        assert all(engine_side[kind]["ttft_ms_max"] > 0 for kind in ("alone", "beside")), engine_side
 
 
 def test_every_script_in_bench_is_run_or_named_a_helper() -> None:
