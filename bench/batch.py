@@ -1,5 +1,8 @@
 """The Batch API against the same requests sent interactively (issue 37's goal), in process: the HTTP app
-under uvicorn over one in-process engine and SQLite, the batch runner on the app's own event loop.
+under uvicorn over one in-process engine and SQLite, the batch runner on the app's own event loop. With
+`--serve`: the same through the app graph `serve run` deploys, on a local Ray cluster of this process's own
+(bench/serve_platform.py): the runner in the ingress replica, the engine in its own replica, sharing the
+machine's cores.
 
 Workload: N /v1/completions requests over A adapters (the tenant's own, uploaded through the admin API)
 and P shared prompt prefixes (each request: a prefix of `--prefix-words` words, a short unique tail),
@@ -15,7 +18,7 @@ second is per round, summarised by its median (goal: >= 1.0).
 With `--ttft`: an interactive streaming load (`--ttft-users` users, each sending `--ttft-requests`
 requests one after another, cold adapters among them) runs alone and beside a running batch, in turns;
 its TTFT p99 and inter-token p99 beside/alone (goal: <= 1.2) and the batch lines done meanwhile.
-Run:  python -m bench.batch [--requests 1000 --adapters 8 --prefixes 4] [--ttft] [--tiny]
+Run:  python -m bench.batch [--requests 1000 --adapters 8 --prefixes 4] [--ttft] [--serve] [--tiny]
 The last line is one JSON object.
 """
 
@@ -24,6 +27,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import random
 import secrets
 import tempfile
@@ -46,7 +50,7 @@ from app.settings import BatchesConfig, Settings
 from bench.admin_upload import post_adapter
 from bench.live_server import LiveServer
 from bench.measure import Interleaved, machine, spread
-from bench.serve_platform import build_adapters
+from bench.serve_platform import build_adapters, local_platform
 from billing.adapter_digests import RegistryDigests
 from billing.db import make_engine, make_session_factory
 from billing.migrate import upgrade
@@ -87,6 +91,32 @@ class Platform:
     key: str
     adapters: list[str]
     sessions: Callable[[], Session]  # the platform's database: the engine's own queue and TTFT per request
+
+
+@contextmanager
+def serve_platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
+    """The app graph of `serve run` on a local Ray cluster, over the same engine settings, a fresh database
+    and store; the same tenant and adapters, uploaded through the admin API."""
+    model_dir = ensure_model(Path(f"var/bench/{args.preset}"), arch="llama", preset=args.preset).resolve()
+    engine = {"num_kv_blocks": args.kv_blocks, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "max_loras": args.slots,
+              "max_lora_rank": 16, "batch_step_tokens": args.batch_step_tokens}  # fmt: skip
+    batches = {"max_in_flight_per_tenant": args.in_flight, "max_in_flight": max(64, args.in_flight)}
+    ingress = {"batches": batches, "read_rpm": 1_000_000, "read_burst": 1_000}
+    with local_platform(model_dir, MODEL) as served:
+        served.deploy_models(
+            [served.model_spec(MODEL, "adapter_aware", 1, 1.5, engine)], ingress_settings=ingress
+        )
+        tenant = served.tenant("bench")
+        dirs = build_adapters(model_dir, [8, 16] * ((args.adapters + 1) // 2), work / "peft")[: args.adapters]
+        names = [f"ad{i:02d}" for i in range(args.adapters)]
+        for name, path in zip(names, dirs, strict=True):
+            served.upload(name, tenant.id, path)
+        database = make_engine(os.environ["LORAPLEX_DATABASE_URL"])  # local_platform's, in its environment
+        try:
+            yield Platform(served.url, tenant.key, names, make_session_factory(database))
+        finally:
+            database.dispose()
 
 
 @contextmanager
@@ -254,7 +284,7 @@ def engine_side(sessions: Callable[[], Session], ids: list[str]) -> dict[str, fl
     while True:  # usage rows are written in the background
         with sessions() as s:
             query = select(UsageEvent.queue_ms, UsageEvent.ttft_ms).where(UsageEvent.request_id.in_(ids))
-            rows = list(s.execute(query).tuples())
+            rows = [(q, t) for q, t in s.execute(query)]
         if len(rows) >= len(ids) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -377,6 +407,11 @@ def main() -> None:
     parser.add_argument("--ttft-users", type=int, default=4)
     parser.add_argument("--ttft-requests", type=int, default=40)
     parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="through the app graph `serve run` deploys, on a local Ray cluster",
+    )
+    parser.add_argument(
         "--tiny", action="store_true", help="the tiny model, 24 requests, once: checks it runs"
     )
     args = parser.parse_args()
@@ -384,13 +419,14 @@ def main() -> None:
         args.preset, args.requests, args.adapters, args.prefixes, args.repeats = "tiny", 24, 3, 2, 1
         args.prefix_words, args.max_tokens, args.ttft, args.ttft_requests, args.slots = 12, 4, True, 8, 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    with platform(args, Path(tempfile.mkdtemp(prefix="batch-bench-"))) as p:
+    running = serve_platform if args.serve else platform
+    with running(args, Path(tempfile.mkdtemp(prefix="batch-bench-"))) as p:
         result = asyncio.run(measure(args, p))
     result.update(
         requests=args.requests, adapters=args.adapters, prefixes=args.prefixes,
         prefix_words=args.prefix_words, max_tokens=args.max_tokens, rounds=args.repeats,
         in_flight_per_tenant=args.in_flight, max_num_seqs=args.max_num_seqs, slots=args.slots,
-        batch_step_tokens=args.batch_step_tokens,
+        batch_step_tokens=args.batch_step_tokens, mode="serve" if args.serve else "in_process",
         model=args.preset, machine=machine(),
     )  # fmt: skip
     print(json.dumps(result))

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -118,8 +119,25 @@ def test_the_bench_runs_in_its_tiny_mode(bench: str, request: pytest.FixtureRequ
     if bench == "metering":  # measures PostgreSQL too: the suite's server, skipped (or failed in CI) as there
         request.getfixturevalue("postgres_admin")
         env["LORAPLEX_BENCH_POSTGRES"] = POSTGRES_ADMIN_URL
+    data = _tiny_run(bench, env)
+    if bench == "batch":  # the engine's own queue time of every streamed request, found by its id
+        engine_side = data["beside_batch"]["engine_side"]
+        assert all(engine_side[kind]["ttft_ms_max"] > 0 for kind in ("alone", "beside")), engine_side
+
+
+@pytest.mark.slow
+def test_the_batch_bench_runs_through_serve_in_its_tiny_mode() -> None:
+    """bench.batch's Serve mode: the runner in an ingress replica of `serve run`'s app graph."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    env.update(RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    data = _tiny_run("batch", env, "--serve")
+    assert data["mode"] == "serve" and data["beside_batch"]["batch_lines_done_meanwhile"], data
+
+
+def _tiny_run(bench: str, env: dict[str, str], *extra: str) -> dict[str, Any]:
+    """The bench's JSON line, from `python -m bench.<bench> --tiny [extra]`."""
     result = subprocess.run(
-        [sys.executable, "-m", f"bench.{bench}", "--tiny"],
+        [sys.executable, "-m", f"bench.{bench}", "--tiny", *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=480,  # Serve benches: ~3 min when busy
     )  # fmt: skip
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
@@ -133,9 +151,7 @@ def test_the_bench_runs_in_its_tiny_mode(bench: str, request: pytest.FixtureRequ
     # Every figure says which machine gave it (bench.measure.machine()).
     assert isinstance(data.get("machine"), dict), f"{bench} printed no machine: {sorted(data)}"
     assert {"cpu", "isa", "threads"} <= set(data["machine"]), f"{bench} machine: {data['machine']}"
-    if bench == "batch":  # the engine's own queue time of every streamed request, found by its id
-        engine_side = data["beside_batch"]["engine_side"]
-        assert all(engine_side[kind]["ttft_ms_max"] > 0 for kind in ("alone", "beside")), engine_side
+    return data
 
 
 def test_every_script_in_bench_is_run_or_named_a_helper() -> None:
