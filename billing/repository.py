@@ -444,14 +444,24 @@ def lock_tenants(s: Session, *, tenant_ids: Sequence[str]) -> None:
         s.execute(query.with_for_update(key_share=True)).all()
 
 
+def stored_response_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
+    """What the tenant's live stored responses take (their size_bytes)."""
+    live = (StoredResponse.tenant_id == tenant_id) & (StoredResponse.expires_at > now)
+    return int(s.scalar(select(func.coalesce(func.sum(StoredResponse.size_bytes), 0)).where(live)) or 0)
+
+
+def stored_file_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
+    """What the tenant's live files take."""
+    live = (StoredFile.tenant_id == tenant_id) & (StoredFile.expires_at > now)
+    return int(s.scalar(select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(live)) or 0)
+
+
 def stored_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
     """What the tenant's live stored responses and files take together: what its storage quota
     (max_stored_response_bytes) is read against."""
-    live_responses = (StoredResponse.tenant_id == tenant_id) & (StoredResponse.expires_at > now)
-    live_files = (StoredFile.tenant_id == tenant_id) & (StoredFile.expires_at > now)
-    responses = s.scalar(select(func.coalesce(func.sum(StoredResponse.size_bytes), 0)).where(live_responses))
-    files = s.scalar(select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(live_files))
-    return int(responses or 0) + int(files or 0)
+    return stored_response_bytes(s, tenant_id=tenant_id, now=now) + stored_file_bytes(
+        s, tenant_id=tenant_id, now=now
+    )
 
 
 def _check_name_free(s: Session, name: str) -> None:

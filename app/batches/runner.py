@@ -9,9 +9,9 @@ finalizes the batches whose lines have all ended (app/batches/finalize.py). A li
 (5xx, or a 429 that is not the tenant's money) goes back to the queue until `max_attempts`, unbilled, and
 runs again after a wait that doubles at each try (`retry_base_s` up to `retry_max_s`: an engine that is down
 or restarting does not use up its attempts); a line's own failure (4xx, `insufficient_quota`) goes to the
-error file. Stopping a runner abandons its lines: their
-leases lapse and another runner claims them (their request ids are fixed, so each is billed once). It
-reports the lines queued and running by tenant, and counts each claim and end (app/batches/metrics.py).
+error file. Stopping a runner abandons its lines: their leases lapse and another runner claims them (their
+request ids are fixed, so each is billed once). It reports the lines queued and running by tenant, and
+counts each claim and end (app/batches/metrics.py).
 """
 
 import asyncio

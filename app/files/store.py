@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import Select, delete, func, select
+from sqlalchemy import Select, delete, select
 from sqlalchemy.orm import Session
 
 from adapters.errors import AdapterStoreUnavailable
 from app.cursor_page import Order, beyond
 from app.files.blobs import FileBlobs
 from billing.models import StoredFile, utcnow
-from billing.repository import lock_tenants, stored_bytes
+from billing.repository import lock_tenants, stored_bytes, stored_file_bytes
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +128,9 @@ class FileStore:
                 s.add(row)
                 s.flush()  # before counting: on SQLite, the write lock
                 if quota is not None:
-                    used = stored_bytes(s, tenant_id=tenant_id, now=row.created_at) - size
-                    if used + size > quota:
-                        raise QuotaExceeded(used, size, quota)
+                    total = stored_bytes(s, tenant_id=tenant_id, now=row.created_at)  # this file's included
+                    if total > quota:
+                        raise QuotaExceeded(total - size, size, quota)
                 return FileRecord.of(row)
         except BaseException:
             self.blobs.remove(key)
@@ -200,12 +200,7 @@ class FileStore:
     def stored_bytes(self, tenant_id: str, now: datetime | None = None) -> int:
         """What the tenant's live files take: counted with its stored responses against its quota."""
         with self.sessions() as s:
-            total = s.scalar(
-                select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(
-                    StoredFile.tenant_id == tenant_id, StoredFile.expires_at > (now or utcnow())
-                )
-            )
-            return int(total or 0)
+            return stored_file_bytes(s, tenant_id=tenant_id, now=now or utcnow())
 
     def sweep(self, now: datetime | None = None, batch: int = 100, max_batches: int = 20) -> int:
         """Remove expired files of every tenant, `batch` at a time, at most `max_batches` per call; returns

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, delete, func, select, update
+from sqlalchemy import case, delete, select, update
 from sqlalchemy.orm import Session
 
 from app.settings import ResponsesConfig
 from billing.models import StoredResponse, utcnow
+from billing.repository import stored_response_bytes
 
 MAX_DEPTH = 64  # hops a chain is read through: one query each
 
@@ -125,12 +126,7 @@ class ResponseStore:
     def stored_bytes(self, tenant_id: str, now: datetime | None = None) -> int:
         """What the tenant's live stored responses take (their size_bytes): what its quota is read against."""
         with self.sessions() as s:
-            total = s.scalar(
-                select(func.coalesce(func.sum(StoredResponse.size_bytes), 0)).where(
-                    StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at > (now or utcnow())
-                )
-            )
-            return int(total or 0)
+            return stored_response_bytes(s, tenant_id=tenant_id, now=now or utcnow())
 
     def delete(self, tenant_id: str, response_id: str) -> bool:
         """Whether there was such a response (expired and deleted ones are gone already). One that a live
