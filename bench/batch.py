@@ -46,7 +46,7 @@ from app.bootstrap import build_services
 from app.main import create_app
 from app.modelprep.demo_model import ensure_model
 from app.served_models.catalog import BaseModelSpec
-from app.settings import BatchesConfig, Settings
+from app.settings import Settings
 from bench.admin_upload import post_adapter
 from bench.live_server import LiveServer
 from bench.measure import Interleaved, machine, spread
@@ -93,28 +93,45 @@ class Platform:
     sessions: Callable[[], Session]  # the platform's database: the engine's own queue and TTFT per request
 
 
+def _model_dir(args: argparse.Namespace) -> Path:
+    return ensure_model(Path(f"var/bench/{args.preset}"), arch="llama", preset=args.preset).resolve()
+
+
+def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields of both modes, over its model and store."""
+    return {"num_kv_blocks": args.kv_blocks, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_loras": args.slots,
+            "max_lora_rank": 16, "batch_step_tokens": args.batch_step_tokens}  # fmt: skip
+
+
+def _ingress_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Settings fields of both modes. Reads unlimited: the bench polls its batch, and the read limiter is
+    not what is measured."""
+    batches = {"max_in_flight_per_tenant": args.in_flight, "max_in_flight": max(64, args.in_flight)}
+    return {"batches": batches, "read_rpm": 1_000_000, "read_burst": 1_000}
+
+
+def _adapters(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Path]:
+    """The tenant's adapters by name: A real PEFT adapters of ranks 8 and 16 in turn."""
+    dirs = build_adapters(model_dir, [8, 16] * ((args.adapters + 1) // 2), work / "peft")[: args.adapters]
+    return {f"ad{i:02d}": path for i, path in enumerate(dirs)}
+
+
 @contextmanager
 def serve_platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
     """The app graph of `serve run` on a local Ray cluster, over the same engine settings, a fresh database
     and store; the same tenant and adapters, uploaded through the admin API."""
-    model_dir = ensure_model(Path(f"var/bench/{args.preset}"), arch="llama", preset=args.preset).resolve()
-    engine = {"num_kv_blocks": args.kv_blocks, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "max_loras": args.slots,
-              "max_lora_rank": 16, "batch_step_tokens": args.batch_step_tokens}  # fmt: skip
-    batches = {"max_in_flight_per_tenant": args.in_flight, "max_in_flight": max(64, args.in_flight)}
-    ingress = {"batches": batches, "read_rpm": 1_000_000, "read_burst": 1_000}
+    model_dir = _model_dir(args)
     with local_platform(model_dir, MODEL) as served:
-        served.deploy_models(
-            [served.model_spec(MODEL, "adapter_aware", 1, 1.5, engine)], ingress_settings=ingress
-        )
+        model = served.model_spec(MODEL, "adapter_aware", 1, 1.5, _engine_settings(args))
+        served.deploy_models([model], ingress_settings=_ingress_settings(args))
         tenant = served.tenant("bench")
-        dirs = build_adapters(model_dir, [8, 16] * ((args.adapters + 1) // 2), work / "peft")[: args.adapters]
-        names = [f"ad{i:02d}" for i in range(args.adapters)]
-        for name, path in zip(names, dirs, strict=True):
+        adapters = _adapters(args, model_dir, work)
+        for name, path in adapters.items():
             served.upload(name, tenant.id, path)
         database = make_engine(os.environ["LORAPLEX_DATABASE_URL"])  # local_platform's, in its environment
         try:
-            yield Platform(served.url, tenant.key, names, make_session_factory(database))
+            yield Platform(served.url, tenant.key, list(adapters), make_session_factory(database))
         finally:
             database.dispose()
 
@@ -123,45 +140,36 @@ def serve_platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
 def platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
     """The app over a fresh engine and database; an enterprise tenant (no rate limits) and A
     adapters it owns, uploaded through the admin API."""
-    model_dir = ensure_model(Path(f"var/bench/{args.preset}"), arch="llama", preset=args.preset).resolve()
+    model_dir = _model_dir(args)
     url = f"sqlite:///{work / 'db.sqlite'}"
     upgrade(url)
     admin_key = secrets.token_urlsafe(32)
-    batches = BatchesConfig(max_in_flight_per_tenant=args.in_flight, max_in_flight=max(64, args.in_flight))
-    # Reads unlimited: the bench polls its batch, and the read limiter is not what is measured.
     settings = Settings(data_dir=work, database_url=url, admin_key=admin_key, adapter_store=work / "store",
-                        adapter_cache_dir=work / "ingress-cache", batches=batches,
-                        read_rpm=1_000_000, read_burst=1_000)  # fmt: skip
+                        adapter_cache_dir=work / "ingress-cache", **_ingress_settings(args))  # fmt: skip
     engine = AsyncEngine(
         EngineConfig(
             model=model_dir,
             served_model_name=MODEL,
             adapter_store=work / "store",
             adapter_cache_dir=work / "engine-cache",
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_blocks=args.kv_blocks,
-            max_loras=args.slots,
-            max_lora_rank=16,
-            batch_step_tokens=args.batch_step_tokens,
+            **_engine_settings(args),
         ),
         adapter_digests=RegistryDigests(make_session_factory(make_engine(url))),  # as on a replica
     )
     services = build_services(settings, LocalEngineClient({MODEL: engine}), {MODEL: BaseModelSpec(model_dir)})
     watcher = RegistryWatcher(engine, MODEL, services.session_factory, interval_s=0.5)
     watcher.start()
-    dirs = build_adapters(model_dir, [8, 16] * ((args.adapters + 1) // 2), work / "peft")[: args.adapters]
+    adapters = _adapters(args, model_dir, work)
     try:
         with LiveServer(create_app(services)) as server:
             headers = {"authorization": f"Bearer {admin_key}"}
             with httpx.Client(base_url=server.url, headers=headers, timeout=60) as admin:
                 tenant = admin.post("/admin/tenants", json={"name": "bench", "tier": "enterprise"}).json()
                 key = admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "bench"}).json()["key"]
-                names = [f"ad{i:02d}" for i in range(args.adapters)]
-                for name, path in zip(names, dirs, strict=True):
+                for name, path in adapters.items():
                     reply = post_adapter(admin, name, tenant["id"], path, base_model=MODEL)
                     assert reply.status_code == 201, reply.text
-            yield Platform(server.url, key, names, services.session_factory)
+            yield Platform(server.url, key, list(adapters), services.session_factory)
     finally:
         watcher.stop()
         engine.shutdown()

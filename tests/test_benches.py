@@ -109,9 +109,7 @@ def present(bench: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("bench", [b for b in BENCHES if present(b)])
 def test_the_bench_runs_in_its_tiny_mode(bench: str, request: pytest.FixtureRequest) -> None:
-    # As a user runs it: none of this session's LORAPLEX_* settings (the e2e app's) leak into the bench.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
-    env.update(RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    env = _user_env()
     triton = importlib.util.find_spec("triton")
     if bench == "gpu_kernels" and triton is not None and triton.origin is not None:
         # Triton may be importable here from outside the environment (an extra PYTHONPATH entry): keep it.
@@ -128,10 +126,15 @@ def test_the_bench_runs_in_its_tiny_mode(bench: str, request: pytest.FixtureRequ
 @pytest.mark.slow
 def test_the_batch_bench_runs_through_serve_in_its_tiny_mode() -> None:
     """bench.batch's Serve mode: the runner in an ingress replica of `serve run`'s app graph."""
+    data = _tiny_run("batch", _user_env(), "--serve")
+    assert data["mode"] == "serve" and data["beside_batch"]["batch_lines_done_meanwhile"], data
+
+
+def _user_env() -> dict[str, str]:
+    """As a user runs a bench: none of this session's LORAPLEX_* settings (the e2e app's) leak into it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
     env.update(RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
-    data = _tiny_run("batch", env, "--serve")
-    assert data["mode"] == "serve" and data["beside_batch"]["batch_lines_done_meanwhile"], data
+    return env
 
 
 def _tiny_run(bench: str, env: dict[str, str], *extra: str) -> dict[str, Any]:
