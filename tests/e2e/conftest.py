@@ -125,6 +125,16 @@ def in_background(delay_s: float, fault: Callable[[], T]) -> "Future[T]":
     return future
 
 
+def wait_for(check: Callable[[], T | None], what: str, timeout: float = 90.0, every: float = 0.25) -> T:
+    """Poll `check` until it returns a value that is neither None nor False; that value. Fails naming `what`
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (value := check()) is None or value is False:
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(every)
+    return value
+
+
 async def sse_events(
     client: httpx.AsyncClient, body: dict[str, Any], on_event: Callable[[], object] = lambda: None
 ) -> list[dict[str, Any]]:

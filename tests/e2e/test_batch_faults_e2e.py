@@ -19,7 +19,7 @@ from app.batches.lines import line_request_id
 from billing.models import BatchLine, UsageEvent
 from tests.app.test_batch_runner import file_lines
 from tests.app.test_files_api import jsonl
-from tests.e2e.conftest import APP_NAME, ServeApp, engine_settings
+from tests.e2e.conftest import APP_NAME, ServeApp, engine_settings, wait_for
 from tests.e2e.test_batches_e2e import line
 
 LINES = 48
@@ -64,13 +64,6 @@ def _done(app: ServeApp, batch_id: str) -> int:
         return int(s.scalar(query) or 0)
 
 
-def _wait(check: Callable[[], bool], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.2)
-
-
 def _retrieve(client: OpenAI, batch_id: str) -> Any:
     """The batch, through the API while the ingress may be restarting (connection refused, 503s)."""
     for _ in range(600):
@@ -94,13 +87,14 @@ def test_a_batch_survives_a_killed_engine_a_killed_ingress_and_a_redeploy(
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
     faults: list[tuple[str, int]] = []
 
-    _wait(lambda: _done(serve_app, batch.id) >= 2, "the first lines", 120)
+    wait_for(lambda: _done(serve_app, batch.id) >= 2, "the first lines", 120)
     assert _kill("#engine-tiny-llama#") == 1  # lines running on it fail: retried after a wait
     faults.append(("engine", _done(serve_app, batch.id)))
-    _wait(lambda: _done(serve_app, batch.id) >= faults[-1][1] + 4, "lines after the engine came back", 180)
+    wait_for(lambda: _done(serve_app, batch.id) >= faults[-1][1] + 4, "lines after the engine came back", 180)
     assert _kill("#ingress#") >= 1  # its runner's lines stay running under its lease, which lapses
     faults.append(("ingress", _done(serve_app, batch.id)))
-    _wait(lambda: _done(serve_app, batch.id) >= faults[-1][1] + 4, "lines after the ingress came back", 180)
+    back = "lines after the ingress came back"
+    wait_for(lambda: _done(serve_app, batch.id) >= faults[-1][1] + 4, back, 180)
     serve.delete(APP_NAME)  # the whole platform: every runner, engine and the metering replica
     faults.append(("platform", _done(serve_app, batch.id)))
     deployed()

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import boto3
 import httpx
@@ -55,6 +55,7 @@ from deployments.builder import build_app
 from tests.app.conftest import ADMIN_KEY
 from tests.ci import missing
 from tests.conftest import POSTGRES_ADMIN_URL
+from tests.e2e.conftest import wait_for
 from tests.e2e.test_adapters_e2e import LONG, LONG_PROMPT
 from tests.engine.reference import PeftReference
 from tests.model_fixtures import TinySetup
@@ -83,15 +84,6 @@ MODEL = "tiny-llama"
 ADAPTER = "demo-sql"  # greedy on it runs all of LONG for LONG_PROMPT
 SHORT = 24  # tokens compared with PEFT
 REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-T = TypeVar("T")
-
-
-def wait_for(check: Callable[[], T | None], what: str, timeout: float = 90.0, every: float = 0.25) -> T:
-    deadline = time.monotonic() + timeout
-    while (value := check()) is None or value is False:
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(every)
-    return value
 
 
 @dataclass
