@@ -7,6 +7,7 @@
   const KEY_STORAGE = "loraplex.apiKey";
   const DAYS = 30;
   const HEADROOM_REFRESH_MS = 15000;
+  const BATCHES_SHOWN = 20;
   const SVG_NS = "http://www.w3.org/2000/svg";
   // Shared with usage.css (--prompt, --cached, --completion, --gpu) and with the screenshot test.
   const COLORS = { prompt: "#4f6df5", cached: "#a9b8fb", completion: "#f59f3a", gpu: "#22a06b" };
@@ -361,6 +362,70 @@
     $("adapters-empty").hidden = body.data.some((card) => card.parent);
   }
 
+  // Batch API (issue 37): the newest batches with their line counts, and the tokens each used in the
+  // period (usage grouped by batch; the row with batch_id null is the interactive traffic).
+  function renderBatches(batches, perBatch) {
+    const tokensOf = new Map(perBatch.map((row) => [row.batch_id, row.prompt_tokens + row.completion_tokens]));
+    const rows = batches.map((batch) => {
+      const tr = document.createElement("tr");
+      tr.dataset.batch = batch.id;
+      tr.dataset.status = batch.status;
+      const counts = batch.request_counts || { total: 0, completed: 0, failed: 0 };
+      const tokens = tokensOf.get(batch.id) || 0;
+      tr.dataset.tokens = String(tokens);
+      const id = document.createElement("code");
+      id.textContent = batch.id;
+      const status = document.createElement("span");
+      status.className = `status ${batch.status}`;
+      status.textContent = batch.status.replace("_", " ");
+      const cells = [id, status,
+        `${integer.format(counts.completed)} / ${integer.format(counts.failed)} / ${integer.format(counts.total)}`,
+        integer.format(tokens), new Date(batch.created_at * 1000).toISOString().slice(0, 16).replace("T", " ")];
+      for (const content of cells) {
+        const td = document.createElement("td");
+        if (typeof content === "string") td.textContent = content;
+        else td.appendChild(content);
+        tr.appendChild(td);
+      }
+      return tr;
+    });
+    $("batches-body").replaceChildren(...rows);
+    $("batches-empty").hidden = batches.length > 0;
+    const all = perBatch.reduce((sum, row) => sum + row.prompt_tokens + row.completion_tokens, 0);
+    const batched = perBatch.filter((row) => row.batch_id !== null)
+      .reduce((sum, row) => sum + row.prompt_tokens + row.completion_tokens, 0);
+    const share = $("batch-share");
+    share.dataset.batchTokens = String(batched);
+    share.dataset.allTokens = String(all);
+    share.textContent = all > 0
+      ? `Batches used ${integer.format(batched)} of ${integer.format(all)} tokens (${decimal.format((100 * batched) / all)}%), at the tier's batch price.`
+      : "";
+  }
+
+  const bytes = (n) => {
+    const units = ["B", "KB", "MB", "GB", "TB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+    return `${i ? decimal.format(n) : integer.format(n)} ${units[i]}`;
+  };
+
+  // Stored responses and files count against one quota: one meter of what is left, the parts below it.
+  function renderStorage(storage) {
+    if (!storage) {
+      $("storage").replaceChildren();
+      $("storage-detail").textContent = "";
+      return;
+    }
+    const used = storage.stored_response_bytes + storage.file_bytes;
+    const quota = storage.max_stored_response_bytes;
+    const left = quota === null ? null : Math.max(0, quota - used);
+    const row = meterRow("storage-left", "Stored", left, quota, "bytes", 0);
+    row.dataset.used = String(used);
+    $("storage").replaceChildren(row);
+    $("storage-detail").textContent =
+      `${bytes(used)} stored: responses ${bytes(storage.stored_response_bytes)}, files ${bytes(storage.file_bytes)}`;
+  }
+
   // --- session --------------------------------------------------------------------------------------
 
   function showError(id, message) {
@@ -387,14 +452,18 @@
     dashboard.dataset.state = "loading";
     const p = period();
     try {
-      const [hourly, perAdapter, limits, models] = await Promise.all([
+      const [hourly, perAdapter, perBatch, batches, limits, models] = await Promise.all([
         api(usagePath(p, "hour"), key),
         api(usagePath(p, "adapter"), key),
+        api(usagePath(p, "batch"), key),
+        api(`/v1/batches?${new URLSearchParams({ limit: String(BATCHES_SHOWN) })}`, key),
         api("/v1/limits", key),
         api("/v1/models", key),
       ]);
       renderTotals(hourly.data, p);
       renderCharts(hourly.data, perAdapter.data, p);
+      renderBatches(batches.data, perBatch.data);
+      renderStorage(hourly.storage);
       renderLimits(limits);
       renderModels(models);
       showError("load-error", "");

@@ -8,6 +8,7 @@ to docs/usage-page.png (the README's picture), which is otherwise left alone.
 """
 
 import io
+import json
 import os
 import time
 import uuid
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from bench.admin_upload import post_adapter
 from tests.app.conftest import MODEL, Served
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 CHROMIUM = os.environ.get("LORAPLEX_TEST_CHROMIUM", "/usr/bin/chromium")
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "usage-page.png"
 VIEWPORT = {"width": 1280, "height": 900}
+BATCH_LINES = 4
 # The series colours of app/static/usage.js.
 PROMPT_RGB, COMPLETION_RGB, GPU_RGB = (0x4F, 0x6D, 0xF5), (0xF5, 0x9F, 0x3A), (0x22, 0xA0, 0x6B)
 
@@ -75,6 +78,7 @@ class Tenant:
     key: str
     adapters: list[str]
     url: str
+    batch_id: str
 
     def get(self, path: str, **params: str) -> Any:
         r = httpx.get(f"{self.url}{path}", params=params, timeout=30,
@@ -124,14 +128,36 @@ def tenant(served: Served) -> Tenant:
     ]  # fmt: skip
     with served.services.session_factory() as s, s.begin():
         s.add_all(history)
-    found = Tenant(tenant_id, key, ["support-bot", "poet"], served.url)
+    batch_id = run_batch(served, key, ["support-bot", MODEL, "poet"])
+    found = Tenant(tenant_id, key, ["support-bot", "poet"], served.url, batch_id)
     # Live usage reaches the database in the background: wait for all of it.
-    expected = len(models) + len(history)
+    expected = len(models) + len(history) + BATCH_LINES
     deadline = datetime.now(UTC) + timedelta(seconds=20)
     while sum(row["requests"] for row in found.usage("model")) != expected:
         assert datetime.now(UTC) < deadline, "usage was not recorded in time"
         time.sleep(0.05)
     return found
+
+
+def run_batch(served: Served, key: str, models: list[str]) -> str:
+    """A Batch API batch of BATCH_LINES completions over `models`, through the OpenAI SDK, run to its end."""
+    client = OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+    lines = [
+        {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": models[i % len(models)], "prompt": "Once", "max_tokens": 3 + i, "temperature": 0}}
+        for i in range(BATCH_LINES)
+    ]  # fmt: skip
+    content = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    file = client.files.create(file=("lines.jsonl", content), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while batch.status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing"), batch
+        assert time.monotonic() < deadline, f"the batch did not complete in time: {batch}"
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.request_counts is not None and batch.request_counts.completed == BATCH_LINES
+    return str(batch.id)
 
 
 def log_in(page: "Page", url: str, key: str) -> None:
@@ -178,7 +204,7 @@ def test_the_dashboard_shows_the_api_numbers(page: "Page", served: Served, tenan
     prompt, completion = sum(r["prompt_tokens"] for r in hourly), sum(r["completion_tokens"] for r in hourly)
     names = ("requests", "tokens", "prompt-tokens", "cached-tokens", "completion-tokens", "gpu-seconds")
     shown = {name: page.locator(f"#total-{name}").get_attribute("data-value") for name in names}
-    assert shown["requests"] == str(sum(r["requests"] for r in hourly)) == "15"
+    assert shown["requests"] == str(sum(r["requests"] for r in hourly)) == str(15 + BATCH_LINES)
     assert shown["tokens"] == str(prompt + completion)
     assert (shown["prompt-tokens"], shown["completion-tokens"]) == (str(prompt), str(completion))
     assert shown["cached-tokens"] == str(sum(r["cached_tokens"] for r in hourly))
@@ -213,6 +239,31 @@ def test_the_dashboard_shows_the_api_numbers(page: "Page", served: Served, tenan
     assert page.locator("#headroom-tokens").get_attribute("data-limit") == "100000"
     assert page.locator("#headroom-concurrent").get_attribute("data-remaining") == "8"
     assert page.locator("#tenant-tier").inner_text() == "tier: free"
+
+    # Batches: the tenant's batch with its line counts and the tokens usage grouped by batch gives it.
+    per_batch = tenant.usage("batch")
+    by_batch = {row["batch_id"]: row["prompt_tokens"] + row["completion_tokens"] for row in per_batch}
+    assert set(by_batch) == {None, tenant.batch_id}
+    batch_row = page.locator(f'#batches-body tr[data-batch="{tenant.batch_id}"]')
+    assert page.locator("#batches-body tr").count() == 1
+    assert batch_row.get_attribute("data-status") == "completed"
+    assert batch_row.get_attribute("data-tokens") == str(by_batch[tenant.batch_id]) != "0"
+    assert f"{BATCH_LINES} / 0 / {BATCH_LINES}" in batch_row.inner_text()
+    share = page.locator("#batch-share")
+    assert share.get_attribute("data-batch-tokens") == str(by_batch[tenant.batch_id])
+    assert share.get_attribute("data-all-tokens") == str(prompt + completion)
+    assert page.locator("#batches-empty").is_hidden()
+
+    # Storage: the batch's input and output files against the free tier's quota, as /v1/usage says.
+    start, end = period()
+    storage = tenant.get("/v1/usage", start=start.isoformat(), end=end.isoformat())["storage"]
+    used = storage["stored_response_bytes"] + storage["file_bytes"]
+    stored = page.locator("#storage-left")
+    assert storage["file_bytes"] > 0 and stored.get_attribute("data-used") == str(used)
+    quota = storage["max_stored_response_bytes"]
+    assert stored.get_attribute("data-limit") == ("" if quota is None else str(quota))
+    if quota is not None:
+        assert stored.get_attribute("data-remaining") == str(quota - used)
 
     models = [card["id"] for card in tenant.get("/v1/models")["data"]]
     rows = page.locator("#adapters-body tr").evaluate_all("rows => rows.map(r => r.dataset.model)")
