@@ -141,6 +141,14 @@ class BatchesConfig(BaseModel):
             "the retry waits, about three minutes of an engine that is down or restarting."
         ),
     )
+    max_lost: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "Runs of one line whose runner stopped before it ended (its replica died, its lease lapsed) "
+            "before it fails: a line that takes down its replica does so this many times, not max_attempts."
+        ),
+    )
     retry_base_s: float = Field(
         default=2.0,
         gt=0,

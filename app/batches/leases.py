@@ -7,9 +7,11 @@ each get only what their UPDATE changed. Only batches `in_progress` and not past
 from; the batch row is locked meanwhile (FOR UPDATE on PostgreSQL, as BatchStore.cancel does), so no line
 starts in a batch being cancelled. A tenant's running lines, on every replica and across its batches, stay
 within `max_in_flight_per_tenant` (its tenant row is locked while a claim counts them). Lines of one model
-are claimed together (adapter loads and prefixes shared). A line ends (`done`, `failed`, or back to
-`queued` for another try, not before a wait its lease_expires_at holds) only while its lease is this
-runner's: one that lapsed and was claimed again is the new owner's, and ends once. Blocking: run in a thread.
+are claimed together (adapter loads shared), and within it by the opening of their prompts (prefixes
+prefilled once). A line whose runner stopped `max_lost` times fails rather than runs again. A line ends
+(`done`, `failed`, or back to `queued` for another try, not before a wait its lease_expires_at holds) only
+while its lease is this runner's: one that lapsed and was claimed again is the new owner's, and ends once.
+Blocking: run in a thread.
 """
 
 from collections.abc import Callable
@@ -17,13 +19,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.settings import BatchesConfig
 from billing.models import Batch, BatchLine, utcnow
 from billing.repository import lock_tenants
 
+# Lines of one model together (adapter loads shared), within it those whose prompts open alike.
+CLAIM_ORDER = (BatchLine.model, BatchLine.prefix, BatchLine.line)
 LOST = {
     "code": "batch_line_lost",
     "message": "This request's runner stopped before it finished, too many times; it was not retried again.",
@@ -130,15 +134,23 @@ class LineLeases:
             return {tenant: int(count) for tenant, count in rows.tuples()}
 
     def _fail_exhausted(self, s: Session, batch_id: str, now: datetime) -> None:
-        """Lines whose runners died `max_attempts` times fail, rather than take down a runner forever."""
+        """A line whose lease lapsed (its runner stopped) fails rather than runs again when that was its
+        `max_lost`-th loss or its `max_attempts`-th claim: a line that takes down its replica does not do
+        so forever, nor as often as the platform's own failures may be retried."""
         ended = changed(
             s,
             update(BatchLine)
             .where(
                 BatchLine.batch_id == batch_id, BatchLine.state == "running", BatchLine.lease_expires_at < now
             )
-            .where(BatchLine.attempts >= self.config.max_attempts)
-            .values(state="failed", error=LOST, finished_at=now, lease_owner=None, lease_expires_at=None)
+            .where(
+                or_(
+                    BatchLine.attempts >= self.config.max_attempts,
+                    BatchLine.lost + 1 >= self.config.max_lost,
+                )
+            )
+            .values(state="failed", error=LOST, lost=BatchLine.lost + 1, finished_at=now)
+            .values(lease_owner=None, lease_expires_at=None)
             .execution_options(synchronize_session=False),
         )
         if ended:
@@ -149,7 +161,7 @@ class LineLeases:
             s.scalars(
                 select(BatchLine.line)
                 .where(BatchLine.batch_id == batch.id, _claimable(now))
-                .order_by(BatchLine.model, BatchLine.line)
+                .order_by(*CLAIM_ORDER)
                 .limit(free)
             )
         )
@@ -163,6 +175,7 @@ class LineLeases:
                 lease_owner=owner,
                 lease_expires_at=self._lease(now),
                 attempts=BatchLine.attempts + 1,
+                lost=BatchLine.lost + case((BatchLine.state == "running", 1), else_=0),  # its lease lapsed
             )
             .execution_options(synchronize_session=False)
         )
@@ -172,7 +185,7 @@ class LineLeases:
             )
             .where(BatchLine.batch_id == batch.id, BatchLine.line.in_(wanted))
             .where(BatchLine.state == "running", BatchLine.lease_owner == owner)
-            .order_by(BatchLine.model, BatchLine.line)
+            .order_by(*CLAIM_ORDER)
         )
         return [
             Claimed(

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from app.responses.request import ResponseRequest
 from app.schemas.openai import ChatCompletionRequest, CompletionRequest
+from billing.models.batch_line import PREFIX_CHARS
 
 MAX_CUSTOM_ID_CHARS = 512
 SCHEMAS: dict[str, type[BaseModel]] = {
@@ -24,6 +25,19 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/responses": ResponseRequest,
 }
+
+
+def prompt_prefix(body: dict[str, Any]) -> str:
+    """The opening of a line's prompt, as sent (chat messages, a completion's prompt, a response's
+    instructions and input), PREFIX_CHARS long: lines are claimed in its order within a model, so lines that
+    share a prompt's start sit together and run together, and the prefix cache prefills that start once."""
+    if "messages" in body:
+        prompt: Any = body["messages"]
+    elif "prompt" in body:
+        prompt = body["prompt"]
+    else:
+        prompt = [body.get("instructions"), body.get("input")]
+    return json.dumps(prompt, ensure_ascii=False, separators=(",", ":"))[:PREFIX_CHARS]
 
 
 def line_request_id(batch_id: str, custom_id: str) -> str:

@@ -8,10 +8,11 @@ interactive rate limits) and ends it with its answer; every `interval_s` it rene
 finalizes the batches whose lines have all ended (app/batches/finalize.py). A line the platform failed
 (5xx, or a 429 that is not the tenant's money) goes back to the queue until `max_attempts`, unbilled, and
 runs again after a wait that doubles at each try (`retry_base_s` up to `retry_max_s`: an engine that is down
-or restarting does not use up its attempts); a line's own failure (4xx, `insufficient_quota`) goes to the
-error file. Stopping a runner abandons its lines: their leases lapse and another runner claims them (their
-request ids are fixed, so each is billed once). It reports the lines queued and running by tenant, and
-counts each claim and end (app/batches/metrics.py).
+or restarting does not use up its attempts), and past them goes to the error file, the hold its last try
+kept for a retry freed at once; a line's own failure (4xx, `insufficient_quota`) goes to the error file.
+Stopping a runner abandons its lines: their leases lapse and another runner claims them (their request ids
+are fixed, so each is billed once). It reports the lines queued and running by tenant, and counts each claim
+and end (app/batches/metrics.py).
 """
 
 import asyncio
@@ -137,13 +138,17 @@ class BatchRunner:
                 await run_in_threadpool(self._finish, line, None, GONE)
                 return
             answer = await run_line(self.services, principal, line)
-            if not answer.ok and _retryable(answer) and line.attempts < self.config.max_attempts:
+            retryable = not answer.ok and _retryable(answer)
+            if retryable and line.attempts < self.config.max_attempts:
                 wait_s = min(self.config.retry_max_s, self.config.retry_base_s * 2 ** (line.attempts - 1))
                 if await run_in_threadpool(self.leases.requeue, self.owner, line, wait_s):
                     LINES_ENDED.inc({"tenant": line.tenant_id, "outcome": "requeued"})
                 return
             response = {"status_code": answer.status_code, "body": answer.body}
-            await run_in_threadpool(self._finish, line, response, None, answer.ok)
+            ended = await run_in_threadpool(self._finish, line, response, None, answer.ok)
+            guard = self.services.budget_guard
+            if retryable and ended and guard is not None:  # its last try kept its hold for a retry
+                await guard.drop(line.tenant_id, line.request_id)
         except asyncio.CancelledError:
             raise
         except Exception:  # no longer renewed, its lease lapses and another try runs it
@@ -151,11 +156,13 @@ class BatchRunner:
 
     def _finish(
         self, line: Claimed, response: dict[str, Any] | None, error: dict[str, Any] | None, ok: bool = False
-    ) -> None:
+    ) -> bool:
+        """End the line; whether it was still this runner's to end."""
         if not self.leases.finish(self.owner, line, ok=ok, response=response, error=error):
             log.info("batch line %s:%d was no longer this runner's", line.batch_id, line.line)
-            return
+            return False
         LINES_ENDED.inc({"tenant": line.tenant_id, "outcome": "done" if ok else "failed"})
+        return True
 
     async def _principal(self, tenant_id: str, key_id: str) -> Principal | None:
         key = (tenant_id, key_id)

@@ -18,7 +18,7 @@ from typing import IO, Any
 from sqlalchemy import Select, delete, func, insert, select
 from sqlalchemy.orm import Session
 
-from app.batches.lines import LineError, line_request_id
+from app.batches.lines import LineError, line_request_id, prompt_prefix
 from app.batches.objects import batch_object
 from app.batches.validation import numbered_lines
 from app.cursor_page import beyond
@@ -87,9 +87,11 @@ class BatchStore:
                         "custom_id": value["custom_id"],
                         "request_id": line_request_id(row.id, value["custom_id"]),
                         "model": body["model"],
+                        "prefix": prompt_prefix(body),
                         "body": body,
                         "state": "queued",
                         "attempts": 0,
+                        "lost": 0,
                     }
                 )
                 if len(chunk) >= INSERT_ROWS:

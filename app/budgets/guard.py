@@ -217,6 +217,15 @@ class BudgetGuard:
             SETTLE_RETRY_S,
         )
 
+    async def drop(self, tenant_id: str, request_id: str) -> None:
+        """Free, at nothing, a hold its request left unsettled for a retry that will not come (a batch line
+        that failed for good: `Admission.abandon`); without this it stays reserved until it lapses. Best
+        effort: a backend that is away lets it lapse."""
+        try:
+            await self.backend.settle(tenant_id, request_id, 0, periods_at())
+        except Exception as error:
+            log.warning("dropping the hold of %s failed, it lapses: %s", request_id, error)
+
     async def renew(self, hold: BudgetHold) -> None:
         if hold.amount is not None:
             await self.backend.renew(hold.tenant_id, hold.request_id, self.hold_ttl_ms)

@@ -28,7 +28,7 @@ from tests.app.conftest import Served, serving
 from tests.app.helpers import wait_for
 from tests.app.test_batches_api import create, lines_of, request_line
 from tests.app.test_budgets_api import PRICES, cost_of, costs, top_up
-from tests.app.test_files_api import client_for, jsonl, upload
+from tests.app.test_files_api import client_for, jsonl, raw, upload
 from tests.model_fixtures import TinySetup
 
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -53,12 +53,13 @@ def served(llama: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def finished(client: OpenAI, batch_id: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline, wait = time.monotonic() + timeout, 0.05
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)
         if batch.status in FINAL:
             return batch
-        time.sleep(0.05)
+        time.sleep(wait)
+        wait = min(0.5, wait * 1.2)  # within the tenant's reads a minute, however long the batch
     raise AssertionError(f"batch {batch_id} still {batch.status}")
 
 
@@ -265,6 +266,27 @@ def test_lines_an_engine_fails_for_a_while_are_retried_after_waits_and_billed_on
         response = line["response"]
         usage = response["body"]["usage"]["completion_tokens"]
         assert billed[response["request_id"]] == ("completed", usage) and usage == 24
+
+
+def test_a_line_the_platform_fails_every_time_goes_to_the_error_file_and_frees_its_money_at_once(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its attempts a line's last failure is its answer, unbilled, and the hold its last try kept for
+    a retry is freed then, not left reserved until it lapses (two minutes of the tenant's credit)."""
+    tenant_id, client = client_for(served, tier="metered")
+    assert top_up(served, tenant_id, "5").status_code == 201
+    lost = _LostEngine(served.services.engine, time.monotonic() + 3600)  # every try, all the test long
+    monkeypatch.setattr(served.services, "engine", lost)
+    batch = _slow_batch(client, 2)
+    done = finished(client, batch.id)
+    assert done.status == "completed" and not file_lines(client, done.output_file_id)
+    errors = file_lines(client, done.error_file_id)
+    assert sorted(errors) == ["line-0", "line-1"]
+    assert all(line["response"]["status_code"] == 503 for line in errors.values())
+    assert all(row.attempts == BatchesConfig().max_attempts for row in lines_of(served, batch.id))
+    budget = raw(client, "GET", "limits").json()["budget"]
+    assert Decimal(budget["reserved"]) == 0 and Decimal(budget["balance"]) == 5
+    assert usage_rows(served, [line_request_id(batch.id, f"line-{i}") for i in range(2)]) == {}
 
 
 def test_batch_line_metrics_follow_each_tenants_lines_queued_running_and_ended(served: Served) -> None:
