@@ -2,12 +2,12 @@
 output and error files and their final status.
 
 `ready` finds them: `in_progress` with no line queued or running; `cancelling` with no line running under a
-live lease (queued lines of a cancelled batch never run); `in_progress` past `expires_at` likewise (its
-lines left over become `batch_expired` lines of the error file, as OpenAI's); and `finalizing` (or
-`cancelling`) ones whose finalizer started more than a lease ago and never ended (its replica died).
-`finalize` takes one with a conditional UPDATE (one replica wins), writes the files a line at a time from
-the database (never the whole batch in memory) and ends it with counts recounted from its lines.
-Blocking: run in a thread.
+live lease (a cancel drops queued lines; one given back since is dropped when it ends); `in_progress` past
+`expires_at` likewise (its lines left over become `batch_expired` lines of the error file, as OpenAI's);
+and `finalizing` (or `cancelling`) ones whose finalizer started more than a lease ago and never ended (its
+replica died). `finalize` takes one with a conditional UPDATE (one replica wins), writes the files a line
+at a time from the database (never the whole batch in memory) and ends it with counts recounted from its
+lines. Blocking: run in a thread.
 """
 
 import json
@@ -19,10 +19,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.batches.leases import changed
+from app.batches.store import QUEUED
 from app.services import Services
 from billing.models import Batch, BatchLine, utcnow
 
@@ -124,6 +125,8 @@ class Finisher:
         final = "cancelled" if cancelled else "expired" if left else "completed"
         output, errors = self._write(tenant_id, batch_id, expired=final == "expired")
         with self.sessions() as s, s.begin():
+            if final == "cancelled":  # a line given back for a retry after the cancel never runs
+                s.execute(delete(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.state == QUEUED))
             s.execute(
                 update(Batch)
                 .where(Batch.id == batch_id)

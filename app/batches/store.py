@@ -2,11 +2,12 @@
 always read by (tenant, id): another tenant's batch reads as missing.
 
 A batch that passed validation is written with all its lines in one transaction (`create_running`): the
-runner sees it whole or not at all. Cancelling a batch none of whose lines has left the queue ends it at once
-(`cancelled`, its lines dropped: never run, never billed); otherwise it becomes `cancelling` and the runner
-finishes it. The batch row is locked while cancelling (FOR UPDATE on PostgreSQL), so a runner that locks it
-too while claiming lines cannot start a line of a batch being cancelled. Sessions are synchronous: callers run
-these in the thread pool.
+runner sees it whole or not at all. Cancelling a batch drops its queued lines at once (never run, never
+billed; its input file still holds them): one none of whose lines has left the queue is `cancelled` then;
+otherwise it is `cancelling`, and the runner lets its running lines end and finishes it. The batch row is
+locked while cancelling (FOR UPDATE on PostgreSQL), so a runner that locks it too while claiming lines
+cannot start a line of a batch being cancelled. Sessions are synchronous: callers run these in the thread
+pool.
 """
 
 import json
@@ -28,6 +29,7 @@ from billing.models import ACTIVE_BATCH_STATUSES, Batch, BatchLine, new_id, utcn
 WINDOWS = {"24h": timedelta(hours=24)}
 INSERT_ROWS = 1000  # lines written per INSERT statement
 CANCELLABLE = ("validating", "in_progress")
+QUEUED = "queued"
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ class BatchStore:
             if started is None:  # nothing ran: nothing to finish or deliver
                 s.execute(delete(BatchLine).where(BatchLine.batch_id == batch_id))
                 row.status, row.cancelled_at = "cancelled", now
-            else:  # the runner lets running lines end, writes what ran, then marks it cancelled
+            else:  # its queued lines dropped now; the runner lets running ones end, writes what ran, ends it
+                s.execute(delete(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.state == QUEUED))
                 row.status = "cancelling"
             return batch_object(row)
 

@@ -131,15 +131,18 @@ def test_cancel_mid_run_finishes_what_runs_and_never_runs_the_rest(served: Serve
     batch = _slow_batch(client, 12)
     wait_for(lambda: any(row.state == "done" for row in lines_of(served, batch.id)), timeout=30)
     assert client.batches.cancel(batch.id).status == "cancelling"
+    assert all(row.state != "queued" for row in lines_of(served, batch.id))  # dropped at once
     done = finished(client, batch.id)
     assert done.status == "cancelled" and done.cancelled_at is not None
     rows = lines_of(served, batch.id)
     ran = [row for row in rows if row.state == "done"]
-    assert 1 <= len(ran) < 12 and all(row.state in ("done", "queued") for row in rows)
+    assert 1 <= len(ran) < 12 and all(row.state == "done" for row in rows)
     assert sorted(file_lines(client, done.output_file_id)) == sorted(row.custom_id for row in ran)
     assert done.request_counts is not None and done.request_counts.completed == len(ran)
+    assert done.request_counts.total == 12
     wait_for(lambda: len(usage_rows(served, [row.request_id for row in ran])) == len(ran), timeout=10)
-    assert usage_rows(served, [row.request_id for row in rows if row.state == "queued"]) == {}  # never billed
+    never = {f"line-{i}" for i in range(12)} - {row.custom_id for row in ran}
+    assert usage_rows(served, [line_request_id(batch.id, custom_id) for custom_id in never]) == {}
 
 
 def test_past_its_window_a_batch_expires_with_what_completed_delivered(served: Served) -> None:

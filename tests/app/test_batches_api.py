@@ -192,7 +192,8 @@ def test_cancel_ends_a_batch_nothing_of_which_ran_and_leaves_a_started_one_to_th
         )
     cancelling = client.batches.cancel(started.id)
     assert cancelling.status == "cancelling" and cancelling.cancelled_at is None
-    assert [row.state for row in lines_of(served, started.id)] == ["running", "queued"]  # the runner's now
+    # The running line is the runner's to end; the queued one is dropped at once (never run nor billed).
+    assert [(row.line, row.state) for row in lines_of(served, started.id)] == [(1, "running")]
     failed = create(client, upload(client, jsonl([line("a", model="nope")])).id)
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(failed.id)
