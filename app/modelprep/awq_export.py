@@ -10,8 +10,9 @@ stores the result in AWQ's GEMM layout, bit for bit what AutoAWQ / gptqmodel wri
 * ``scales`` float16 ``[in / group, out]``;
 * weight ``w[o, i] = (code[i, o] - zero[i // group, o]) * scale[i // group, o]``.
 
-Only the decoder layers' q/k/v/o/gate/up/down projections are quantized; embeddings, ``lm_head``, norms and
-any other linear stay in ``dtype`` and are listed in ``modules_to_not_convert``.
+Only the decoder layers' q/k/v/o/gate/up/down projections (Phi-3's fused qkv and gate_up) are quantized;
+embeddings, ``lm_head``, norms and any other linear stay in ``dtype`` and are listed in
+``modules_to_not_convert``.
 
 Constraints: ``group_size`` must be one of ``SUPPORTED_GROUP_SIZES`` (what gptqmodel's CPU int4 kernel,
 ``TorchAtenAwqLinear``, accepts) and must divide every quantized linear's ``in_features``; ``out_features``
@@ -49,8 +50,10 @@ SAFE_WEIGHTS_INDEX_NAME: Final = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _SKIP_FILES: Final = frozenset({"config.json", SAFE_WEIGHTS_INDEX_NAME, "pytorch_model.bin.index.json"})
 
+# Phi-3's fused qkv_proj and gate_up_proj are quantized whole, as AutoAWQ's Phi-3 checkpoints store them.
 _QUANTIZED_WEIGHT = re.compile(
-    r"^(?P<module>(?:.+\.)?layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj))\.weight$"
+    r"^(?P<module>(?:.+\.)?layers\.\d+\."
+    r"(?:self_attn\.(?:q|k|v|o|qkv)_proj|mlp\.(?:gate|up|down|gate_up)_proj))\.weight$"
 )
 
 
