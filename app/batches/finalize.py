@@ -19,11 +19,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.batches.leases import changed
-from app.batches.store import QUEUED
+from app.batches.store import drop_queued
 from app.services import Services
 from billing.models import Batch, BatchLine, utcnow
 
@@ -126,7 +126,7 @@ class Finisher:
         output, errors = self._write(tenant_id, batch_id, expired=final == "expired")
         with self.sessions() as s, s.begin():
             if final == "cancelled":  # a line given back for a retry after the cancel never runs
-                s.execute(delete(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.state == QUEUED))
+                drop_queued(s, batch_id)
             s.execute(
                 update(Batch)
                 .where(Batch.id == batch_id)

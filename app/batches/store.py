@@ -29,7 +29,6 @@ from billing.models import ACTIVE_BATCH_STATUSES, Batch, BatchLine, new_id, utcn
 WINDOWS = {"24h": timedelta(hours=24)}
 INSERT_ROWS = 1000  # lines written per INSERT statement
 CANCELLABLE = ("validating", "in_progress")
-QUEUED = "queued"
 
 
 @dataclass(frozen=True)
@@ -155,13 +154,17 @@ class BatchStore:
                 .limit(1)
             )
             row.cancelling_at = now
+            drop_queued(s, batch_id)
             if started is None:  # nothing ran: nothing to finish or deliver
-                s.execute(delete(BatchLine).where(BatchLine.batch_id == batch_id))
                 row.status, row.cancelled_at = "cancelled", now
-            else:  # its queued lines dropped now; the runner lets running ones end, writes what ran, ends it
-                s.execute(delete(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.state == QUEUED))
+            else:  # the runner lets running lines end, writes what ran, then marks it cancelled
                 row.status = "cancelling"
             return batch_object(row)
+
+
+def drop_queued(s: Session, batch_id: str) -> None:
+    """Delete a cancelled batch's lines that have not started: never run, never billed."""
+    s.execute(delete(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.state == "queued"))
 
 
 def _own(tenant_id: str, batch_id: str) -> Select[Batch]:

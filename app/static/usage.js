@@ -364,8 +364,10 @@
 
   // Batch API (issue 37): the newest batches with their line counts, and the tokens each used in the
   // period (usage grouped by batch; the row with batch_id null is the interactive traffic).
+  const tokensIn = (row) => row.prompt_tokens + row.completion_tokens;
+
   function renderBatches(batches, perBatch) {
-    const tokensOf = new Map(perBatch.map((row) => [row.batch_id, row.prompt_tokens + row.completion_tokens]));
+    const tokensOf = new Map(perBatch.map((row) => [row.batch_id, tokensIn(row)]));
     const rows = batches.map((batch) => {
       const tr = document.createElement("tr");
       tr.dataset.batch = batch.id;
@@ -391,9 +393,8 @@
     });
     $("batches-body").replaceChildren(...rows);
     $("batches-empty").hidden = batches.length > 0;
-    const all = perBatch.reduce((sum, row) => sum + row.prompt_tokens + row.completion_tokens, 0);
-    const batched = perBatch.filter((row) => row.batch_id !== null)
-      .reduce((sum, row) => sum + row.prompt_tokens + row.completion_tokens, 0);
+    const all = perBatch.reduce((sum, row) => sum + tokensIn(row), 0);
+    const batched = perBatch.reduce((sum, row) => sum + (row.batch_id === null ? 0 : tokensIn(row)), 0);
     const share = $("batch-share");
     share.dataset.batchTokens = String(batched);
     share.dataset.allTokens = String(all);
