@@ -13,6 +13,9 @@ Steps, each bounded in time and recorded even when it fails (DIR/gpu_check.json,
   host         - bench.host_overhead --device cuda on the tiny and narrow-22 presets;
   lora_bf16    - bench.multi_lora --device cuda on bench-1b (TinyLlama's shape), adapters vs base and the step
                  against its weight-read floor, with ours-base vs HF generate;
+  families     - bench.family_step --device cuda at bench-1b's shape, bf16: Qwen3- and Gemma-3-shaped decode
+                 steps (16 adapters, batch 32, graph-captured) against Llama's shape and against HF's
+                 forward (the fallback a family off our forward would get);
   lora_nf4     - the same in nf4 (bitsandbytes);
   awq          - bench.awq_step: bench-1b exported to AWQ here, through our int4 linear (no gptqmodel on the
                  GPU image): the linear against the dequantized reference, each side (fused GEMM,
@@ -32,7 +35,17 @@ from pathlib import Path
 from typing import Any
 
 # In order of what a short loan must not miss: correctness, then the headline benches.
-STEPS = ("env", "correctness", "lora_bf16", "lora_nf4", "awq", "kernel_bench", "host", "kernels")
+STEPS = (
+    "env",
+    "correctness",
+    "lora_bf16",
+    "families",
+    "lora_nf4",
+    "awq",
+    "kernel_bench",
+    "host",
+    "kernels",
+)
 
 
 def env_info() -> dict[str, Any]:
@@ -236,6 +249,17 @@ def main() -> None:
             ],
             300,
         ),
+        "families": lambda: run_module(
+            [
+                "bench.family_step",
+                *(tiny or ["--device", "cuda", "--preset", "bench-1b", "--rounds", "3", "--steps", "10"]),
+                "--archs",
+                "llama",
+                "qwen3",
+                "gemma3_text",
+            ],
+            240,
+        ),
         "lora_nf4": lambda: run_module(
             [
                 "bench.multi_lora",
@@ -254,7 +278,7 @@ def main() -> None:
     }
     deadline = DEADLINE[0] = time.monotonic() + args.budget_s
     # The tiny mode checks this script's own path: the benches it calls run their tiny modes in the suite.
-    for name in args.only or (("env", "correctness", "host") if args.tiny else STEPS):
+    for name in args.only or (("env", "correctness", "host", "families") if args.tiny else STEPS):
         start = time.perf_counter()
         if time.monotonic() > deadline - 20:
             results[name] = {"error": "skipped: the time budget ran out"}

@@ -14,6 +14,8 @@ head_dim 64, intermediate 5632) at batch 32 with 16 rank-16 adapters, each kerne
   rotary:      rotary_and_cache vs HF apply_rotary_pos_emb + the two cache index_copy_ calls;
   rms_norm:    the fused residual add + RMSNorm vs HF's (residual + x, LlamaRMSNorm);
   silu_mul:    silu_and_mul vs F.silu(gate) * up;
+  gemma_norm:  the fused residual add + Gemma's (1 + w) RMSNorm vs HF's (residual + x, Gemma3RMSNorm);
+  gelu_mul:    gelu_tanh_and_mul vs F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU);
   lora_qkv, lora_o, lora_gate_up, lora_down (decode: the batch's tokens; _prefill: 4096 tokens), each
                spread evenly over the adapters: our fused kernel (lora_delta, one launch a group) and our
                shrink + expand pair (`_pair`) vs today's LoRA kernel called once per member module
@@ -253,6 +255,31 @@ def silu_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, 
     return {
         "torch": lambda: F.silu(gate_up[:, : s.inter]) * gate_up[:, s.inter :],
         "ours": partial(silu_and_mul, gate_up, out),
+    }
+
+
+def gemma_norm_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Callable[[], object]]:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from deployments.engine.model.gpu_kernels.rms_norm import rms_norm
+
+    norm = Gemma3RMSNorm(s.hidden, eps=1e-6).to(device=device, dtype=dtype)
+    folded = (1.0 + norm.weight.detach().float()).contiguous()  # as decoder_families.Norm keeps it
+    x = torch.randn(s.batch, s.hidden, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    ours = partial(rms_norm, x, folded, 1e-6, residual, out=out, residual_out=residual_out, unit_offset=True)
+    return {"torch": lambda: norm(residual + x), "ours": ours}
+
+
+def gelu_peers(s: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Callable[[], object]]:
+    from deployments.engine.model.gpu_kernels.activation import gelu_tanh_and_mul
+
+    gate_up = torch.randn(s.batch, 2 * s.inter, dtype=dtype, device=device)
+    out = torch.empty(s.batch, s.inter, dtype=dtype, device=device)
+    return {
+        "torch": lambda: F.gelu(gate_up[:, : s.inter], approximate="tanh") * gate_up[:, s.inter :],
+        "ours": partial(gelu_tanh_and_mul, gate_up, out),
     }
 
 
@@ -642,6 +669,8 @@ def main() -> None:
         "rotary": rotary_peers(s, dtype, device),
         "rms_norm": rms_norm_peers(s, dtype, device),
         "silu_mul": silu_peers(s, dtype, device),
+        "gemma_norm": gemma_norm_peers(s, dtype, device),
+        "gelu_mul": gelu_peers(s, dtype, device),
         **lora_groups(s, dtype, device),
         **awq_peers(s, dtype, device),
     }  # fmt: skip

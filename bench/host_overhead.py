@@ -135,15 +135,22 @@ def ops_per_step(engine: LLMEngine, refs: list[AdapterRef | None]) -> int:
 
 
 def bench_engine(
-    model_dir: Path, store_root: Path, adapter_names: Iterable[str], *, device: str, batch: int, adapters: int
+    model_dir: Path,
+    store_root: Path,
+    adapter_names: Iterable[str],
+    *,
+    device: str,
+    batch: int,
+    adapters: int,
+    dtype: str = "float32",
 ) -> tuple[LLMEngine, list[AdapterRef]]:
-    """An fp32 engine for `batch` decoding sequences with a slot per rank-16 adapter, and the adapters' refs,
-    each already in CPU memory (loads finishing mid-round would be timed)."""
+    """An engine (fp32 unless told) for `batch` decoding sequences with a slot per rank-16 adapter, and the
+    adapters' refs, each already in CPU memory (loads finishing mid-round would be timed)."""
     engine = LLMEngine(
         EngineConfig(
             model=model_dir,
             adapter_store=store_root,
-            dtype="float32",
+            dtype=dtype,
             device=device,
             max_loras=adapters,
             max_lora_rank=16,

@@ -67,7 +67,7 @@ BENCHES = {
     },
     "host_overhead": {"step_ms", "lora_vs_base", "phases_ms", "torch_ops_per_step"},
     "family_step": {"families", "ratios", "goal_speedup_vs_hf"},
-    "gpu_check": {"env", "correctness", "host"},
+    "gpu_check": {"env", "correctness", "host", "families"},
     "awq_step": {"linear", "step_ms", "step_ratio_vs_bf16"},
     # Issue 29: overshoot must be 0 on every backend and utilisation near 1; asserted in the bench's test.
     "budget_race": {"local", "redis", "naive", "admission"},

@@ -1,4 +1,5 @@
-"""Compiles the NF4 kernels for sm90 (H100/H200) on any machine: Triton's frontend, its MLIR passes, LLVM
+"""Compiles the NF4 kernels (and the elementwise kernels' CUDA-only branches: libdevice's expf and tanhf,
+Gemma's unit-offset norm) for sm90 (H100/H200) on any machine: Triton's frontend, its MLIR passes, LLVM
 and the ptxas it ships all run without a GPU. Run in a process without TRITON_INTERPRET (the kernels must
 be JIT functions, not interpreted ones); prints one JSON object: each launch configuration's shared
 memory per program. The configurations are the ones `nf4_linear` launches for bench-1b's shapes.
@@ -10,7 +11,7 @@ import os
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from deployments.engine.model.gpu_kernels import nf4_gemm
+from deployments.engine.model.gpu_kernels import activation, nf4_gemm, rms_norm
 
 GEMM_ARGS: list[str] = nf4_gemm._nf4_gemm_kernel.arg_names[:15]  # the runtime arguments, constexprs after
 # What Triton's launcher specializes for bench-1b's shapes: 16-byte aligned pointers, ints divisible by 16.
@@ -57,6 +58,23 @@ def main() -> None:
         {"BLOCKSIZE": 64, "BLOCK": nf4_gemm.DEQUANT_BLOCK},
     )  # fmt: skip
     shared["dequant"] = int(compile(dequant, target=target).metadata.shared)
+    for name, act in (("silu", activation.SILU), ("gelu_tanh", activation.GELU_TANH)):
+        gated = ASTSource(
+            activation._gated_kernel,
+            {"gate_up_ptr": "*bf16", "out_ptr": "*bf16", "stride_g": "i32", "stride_o": "i32", "inter": "i32",
+             "BLOCK": "constexpr", "ACTIVATION": "constexpr", "ACCURATE": "constexpr"},
+            {"BLOCK": activation.BLOCK, "ACTIVATION": act, "ACCURATE": True},
+        )  # fmt: skip
+        shared[name] = int(compile(gated, target=target).metadata.shared)
+    norm = ASTSource(
+        rms_norm._rms_norm_kernel,
+        {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*fp32", "out_ptr": "*bf16",
+         "residual_out_ptr": "*bf16", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32",
+         "stride_ro": "i32", "eps": "fp32", "N": "constexpr", "BLOCK": "constexpr",
+         "HAS_RESIDUAL": "constexpr", "UNIT_OFFSET": "constexpr"},
+        {"N": 2304, "BLOCK": 4096, "HAS_RESIDUAL": True, "UNIT_OFFSET": True},
+    )  # fmt: skip
+    shared["gemma_norm"] = int(compile(norm, target=target, options={"num_warps": 8}).metadata.shared)
     print(json.dumps(shared))
 
 

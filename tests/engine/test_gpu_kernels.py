@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.modelprep.awq_export import quantize_linear_weight
-from deployments.engine.model.gpu_kernels.activation import silu_and_mul
+from deployments.engine.model.gpu_kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from deployments.engine.model.gpu_kernels.awq_dequant import awq_dequantize
 from deployments.engine.model.gpu_kernels.awq_gemm import awq_linear
 from deployments.engine.model.gpu_kernels.lora_delta import (
@@ -305,6 +305,34 @@ def test_rms_norm_matches_hf_llama(
             assert torch.equal(x, out) and torch.equal(res_buf, new_residual)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unit_offset_rms_norm_matches_hf_gemma3(dtype: torch.dtype, device: torch.device) -> None:
+    """Gemma's (1 + w) norm, the model's fp32 weight folded once as the forward does (decoder_families.Norm),
+    alone and after the residual add; rows of [T * heads, head_dim] too, as the per-head q/k norms run."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    rows, hidden, eps = 6, 80, 1e-6
+    norm = Gemma3RMSNorm(hidden, eps=eps).to(device=device, dtype=dtype)
+    norm.weight.data = randn(hidden, dtype=dtype, device=device, seed=13, scale=0.5)
+    folded = (1.0 + norm.weight.detach().float()).contiguous()
+    x = randn(rows, hidden + 4, dtype=dtype, device=device, seed=14, scale=2.0)[:, :hidden]
+    residual = randn(rows, hidden, dtype=dtype, device=device, seed=15)
+    # One rounding, at the end: torch's rsqrt and sum order against ours can flip it by one ulp of x's dtype
+    # (two where the interpreter truncates bf16).
+    ulps = 8 if dtype == torch.float32 else 2 if device.type == "cpu" and dtype == torch.bfloat16 else 1
+    with torch.no_grad():
+        plain = rms_norm(x, folded, eps, unit_offset=True)
+        assert isinstance(plain, torch.Tensor) and plain.dtype == dtype
+        assert_within_ulps(plain, norm(x), ulps, unit=dtype)
+        out, summed = rms_norm(x, folded, eps, residual, unit_offset=True)
+        assert_within_ulps(summed, residual + x, 0 if dtype != torch.bfloat16 or device.type == "cuda" else 1)
+        assert_within_ulps(out, norm(summed), ulps, unit=dtype)
+        if dtype == torch.float16:  # rounding the normed row before the weight (Llama's way) differs often
+            assert (out != norm(summed)).sum().item() <= out.numel() // 20
+        with pytest.raises(ValueError, match="fp32"):
+            rms_norm(x, folded.to(torch.float16), eps, unit_offset=True)
+
+
 # ----------------------------------------------------------------------------------------- activation
 
 
@@ -323,6 +351,29 @@ def test_silu_and_mul_matches_hf_mlp(dtype: torch.dtype, device: torch.device) -
         assert_within_ulps(got, want, {torch.float32: 4, torch.float16: 1, torch.bfloat16: 2}[dtype])
         if dtype == torch.float16:  # rounding silu once less would differ in about a quarter of them
             assert (got != want).sum().item() <= want.numel() // 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gelu_tanh_and_mul_matches_hf_gemma_mlp(dtype: torch.dtype, device: torch.device) -> None:
+    rows, inter = 3, 1100
+    gate_up = randn(rows, 2 * inter + 8, dtype=dtype, device=device, seed=16, scale=3.0)[:, : 2 * inter]
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    want = F.gelu(gate, approximate="tanh") * up  # Gemma3MLP: act_fn(gate_proj(x)) * up_proj(x)
+    out = torch.empty(rows, inter + 3, dtype=dtype, device=device)[:, :inter]
+    got = gelu_tanh_and_mul(gate_up, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    # `1 + tanh(...)` cancels where the gate is negative: there torch's own result carries an error of about
+    # an fp32 ulp of 1 times |gate * up| / 2, so that is the scale the tolerance is taken at. CUDA: libdevice
+    # tanhf as torch's kernel, which nvcc may contract into FMAs; the interpreter: tanh through numpy's exp,
+    # and bf16 casts that truncate.
+    ulps = 1 if device.type == "cuda" else {torch.float32: 4, torch.float16: 1, torch.bfloat16: 2}[dtype]
+    scale = want.float().abs() + (gate.float() * up.float()).abs() / 2
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= ulps * torch.finfo(dtype).eps * scale).all()), f"max error {err.max().item()}"
+    if dtype == torch.float16:  # rounding the activation once less would differ in about a quarter
+        assert (got != want).sum().item() <= want.numel() // 20
+    erf = F.gelu(gate) * up  # the exact GELU is another function: this is the tanh one
+    assert (got != erf).sum().item() > want.numel() // 4
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
@@ -929,10 +980,11 @@ def test_nf4_linear_on_bitsandbytes_cuda_weights_replays_in_a_cuda_graph() -> No
     assert torch.equal(replayed, nf4_linear(*args, **knobs))  # type: ignore[arg-type]
 
 
-def test_nf4_kernels_compile_for_sm90_without_a_gpu() -> None:
-    """What the interpreter cannot show: the kernels lower to PTX and through ptxas for H100/H200 at the
+def test_kernels_compile_for_sm90_without_a_gpu() -> None:
+    """What the interpreter cannot show: the NF4 kernels lower to PTX and through ptxas for H100/H200 at the
     configurations nf4_linear launches, and a decode program keeps to a few KB of shared memory (Triton
-    pipelining the code-table gathers through shared memory took 135 KB: one program per SM)."""
+    pipelining the code-table gathers through shared memory took 135 KB: one program per SM); so do the
+    elementwise kernels' CUDA-only branches (libdevice's expf and tanhf, Gemma's unit-offset norm)."""
     triton = pytest.importorskip("triton")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton ships no ptxas")
@@ -944,7 +996,10 @@ def test_nf4_kernels_compile_for_sm90_without_a_gpu() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     shared = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(shared) >= {"decode_split_partials", "decode_bias", "tiled_rows64", "split_sum", "dequant"}
+    assert set(shared) >= {
+        "decode_split_partials", "decode_bias", "tiled_rows64", "split_sum", "dequant", "silu", "gelu_tanh",
+        "gemma_norm",
+    }  # fmt: skip
     assert max(shared.values()) <= 48 * 1024, shared
 
 
@@ -996,6 +1051,7 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
     x = randn(batch, hidden, dtype=dtype, device=dev, seed=25)
     residual = randn(batch, hidden, dtype=dtype, device=dev, seed=26)
     weight = randn(hidden, dtype=dtype, device=dev, seed=27)
+    folded = 1.0 + weight.float()  # Gemma's (1 + w), as decoder_families.Norm keeps it
     gate_up = randn(batch, 2 * inter, dtype=dtype, device=dev, seed=28)
     a = randn(slots, hidden, 2 * rank, dtype=dtype, device=dev, seed=29, scale=0.1)
     b = randn(slots, rank, 2 * inter, dtype=dtype, device=dev, seed=30, scale=0.1)
@@ -1010,6 +1066,9 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
         "norm": torch.empty(batch, hidden, dtype=dtype, device=dev),
         "residual": torch.empty(batch, hidden, dtype=dtype, device=dev),
         "act": torch.empty(batch, inter, dtype=dtype, device=dev),
+        "gemma_norm": torch.empty(batch, hidden, dtype=dtype, device=dev),
+        "gemma_residual": torch.empty(batch, hidden, dtype=dtype, device=dev),
+        "gelu": torch.empty(batch, inter, dtype=dtype, device=dev),
         "h": torch.empty(batch, 2 * rank, device=dev),
         "y": torch.empty(batch, 2 * inter, dtype=dtype, device=dev),
         "y_fused": torch.empty(batch, 2 * inter, dtype=dtype, device=dev),
@@ -1026,6 +1085,11 @@ def test_the_kernels_replay_in_a_cuda_graph_with_new_metadata() -> None:
             )  # fmt: skip
         rms_norm(x, weight, 1e-5, residual, out=outs["norm"], residual_out=outs["residual"])
         silu_and_mul(gate_up, out=outs["act"])
+        rms_norm(
+            x, folded, 1e-6, residual, out=outs["gemma_norm"], residual_out=outs["gemma_residual"],
+            unit_offset=True,
+        )  # fmt: skip
+        gelu_tanh_and_mul(gate_up, out=outs["gelu"])
         outs["h"].zero_()
         outs["y"].zero_()
         lora_shrink(x, a, seg_ends, outs["h"])

@@ -7,7 +7,7 @@ embed -> per layer [norm, q/k/v projection, rotary + KV write, paged attention, 
 gate/up projection, SiLU x up, down projection] -> final norm of the kept rows -> lm_head; what a family adds
 to that layer (q/k norms, Gemma's norms around attention and MLP, GeGLU, rope tables per layer type) is
 described in decoder_families.py. The arithmetic is HF's, op for op (TorchOps); on CUDA each elementwise
-step is one fused kernel (TritonOps; Gemma's norms and GeGLU are torch ops there too), q/k/v and gate/up are
+step is one fused kernel (TritonOps, every family's norms and activations included), q/k/v and gate/up are
 one GEMM each with one LoRA shrink and expand per group (projection.py), and no step of the forward depends
 on a tensor's value on the host, so a decode step can be captured in a CUDA graph.
 

@@ -179,8 +179,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class TritonOps(TorchOps):
-    """One fused Triton kernel per operation (CUDA). Imported only on CUDA machines. Gemma's (1 + w) norm
-    and GeGLU run as TorchOps does (plain torch ops, which a CUDA graph captures as well)."""
+    """One fused Triton kernel per operation (CUDA), Gemma's (1 + w) norms and GeGLU included. Imported only
+    on CUDA machines (and by tests, through Triton's interpreter on CPU)."""
 
     name = "triton"
     paged_decode = True
@@ -214,6 +214,18 @@ class TritonOps(TorchOps):
         assert isinstance(out, tuple)
         return out[0], out[1]
 
+    def unit_offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = self._rms.rms_norm(x, weight, eps, unit_offset=True)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def add_unit_offset_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._rms.rms_norm(x, weight, eps, residual=residual, unit_offset=True)
+        assert isinstance(out, tuple)
+        return out[0], out[1]
+
     def rotary_and_cache(
         self,
         q: torch.Tensor,
@@ -233,6 +245,10 @@ class TritonOps(TorchOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._act.silu_and_mul(gate_up)
+        return out
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._act.gelu_tanh_and_mul(gate_up)
         return out
 
     def paged_decode_attention(

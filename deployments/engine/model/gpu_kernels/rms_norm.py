@@ -1,10 +1,15 @@
-"""RMSNorm with HF LlamaRMSNorm's casts, optionally fused with the residual add before it; a row a program.
+"""RMSNorm with HF LlamaRMSNorm's casts (or Gemma3RMSNorm's), optionally fused with the residual add before
+it; a row a program.
 
 HF: `h = residual + x` in x's dtype (the decoder layer's add; h is the next residual), then
 `weight * (h.float() * rsqrt(mean(h.float() ** 2) + eps)).to(h.dtype)`, the product in the promoted dtype
 of weight and h. The kernel rounds in the same places. It differs from torch only in the order of the sum
 of squares and in rsqrt (computed here as a correctly rounded 1 / sqrt): one fp32 ulp in the scale, which
 rounding to bf16/fp16 almost always hides.
+
+Gemma's `unit_offset` norm keeps the normed row in fp32, multiplies it by the fp32 `1 + w` (computed once at
+load, passed as the weight) and rounds once, to x's dtype:
+`(x.float() * rsqrt(...) * (1 + w.float())).type_as(x)`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from deployments.engine.model.gpu_kernels._triton import jit, next_power_of_2, r
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -32,9 +37,12 @@ def _rms_norm_kernel(
     hf = h.to(tl.float32)
     variance = tl.div_rn(tl.sum(hf * hf, 0), N * 1.0)
     inv = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))
-    normed = (hf * inv).to(x.dtype)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    y = w.to(tl.float32) * normed.to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: no rounding between the norm and the (1 + w) product
+        y = (hf * inv) * w.to(tl.float32)
+    else:
+        normed = (hf * inv).to(x.dtype)
+        y = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -51,8 +59,10 @@ def rms_norm(
     *,
     out: torch.Tensor | None = None,  # [T, hidden] in promote(weight, x) dtype; may be x itself
     residual_out: torch.Tensor | None = None,  # [T, hidden]; may be residual itself (in place)
+    unit_offset: bool = False,  # Gemma's norm: weight is the fp32 (1 + w); out is in x's dtype
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """HF LlamaRMSNorm of x, or of x + residual (then returns (out, x + residual)). One launch."""
+    """HF LlamaRMSNorm (or Gemma3RMSNorm) of x, or of x + residual (then returns (out, x + residual)). One
+    launch."""
     require_triton()
     if x.dim() != 2 or weight.shape != (x.shape[1],) or not weight.is_contiguous():
         raise ValueError(
@@ -60,7 +70,9 @@ def rms_norm(
         )
     if x.stride(1) != 1:
         raise ValueError("x needs a contiguous last dimension")
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if unit_offset and weight.dtype != torch.float32:
+        raise ValueError("a unit-offset norm takes the fp32 (1 + w) as its weight")
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     _check_rows("out", out, x.shape, out_dtype)
@@ -76,7 +88,8 @@ def rms_norm(
         ro = out if residual_out is None else residual_out
         _rms_norm_kernel[(rows,)](
             x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), eps,
-            N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 512)),
+            N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            UNIT_OFFSET=unit_offset, num_warps=min(16, max(1, block // 512)),
             enable_fp_fusion=False,
         )  # fmt: skip
     if residual_out is None:
