@@ -188,7 +188,8 @@ class StorageQuotaExceeded(APIError):
     def __init__(self, *, used: int, needed: int, quota: int, tier: str) -> None:
         message = (
             f"Storing this response would exceed your storage quota (max_stored_response_bytes of tier "
-            f"{tier}: {quota:,} bytes; {used:,} in use, this conversation needs {needed:,}). Send store "
+            f"{tier}: {quota:,} bytes; {used:,} in use or held by your requests in flight, this response "
+            f"may need {needed:,}). Send store "
             "false, or delete stored responses (DELETE /v1/responses/{id}) or files (DELETE /v1/files/{id}) "
             "and retry."
         )

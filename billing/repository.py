@@ -30,6 +30,7 @@ from billing.models import (
     LIMIT_FIELDS,
     ApiKey,
     PriceChange,
+    StorageHold,
     StoredFile,
     StoredResponse,
     Tenant,
@@ -424,6 +425,7 @@ def disable_tenant(s: Session, *, tenant_id: str) -> Tenant:
             .values(revoked_at=now)
         )
         s.execute(delete(StoredResponse).where(StoredResponse.tenant_id == tenant_id))
+        s.execute(delete(StorageHold).where(StorageHold.tenant_id == tenant_id))
         s.execute(
             update(StoredFile)
             .where(StoredFile.tenant_id == tenant_id, StoredFile.expires_at > now)
@@ -457,11 +459,22 @@ def stored_file_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
 
 
 def stored_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
-    """What the tenant's live stored responses and files take together: what its storage quota
-    (max_stored_response_bytes) is read against."""
+    """What the tenant's live stored responses and files take together (GET /v1/usage shows it)."""
     return stored_response_bytes(s, tenant_id=tenant_id, now=now) + stored_file_bytes(
         s, tenant_id=tenant_id, now=now
     )
+
+
+def held_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
+    """What the tenant's responses in flight hold to store (their live storage holds)."""
+    live = (StorageHold.tenant_id == tenant_id) & (StorageHold.expires_at > now)
+    return int(s.scalar(select(func.coalesce(func.sum(StorageHold.bytes), 0)).where(live)) or 0)
+
+
+def committed_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
+    """Stored and held bytes together: what the tenant's storage quota (max_stored_response_bytes) is read
+    against, under its lock (lock_tenants), so that concurrent requests and uploads see each other."""
+    return stored_bytes(s, tenant_id=tenant_id, now=now) + held_bytes(s, tenant_id=tenant_id, now=now)
 
 
 def _check_name_free(s: Session, name: str) -> None:

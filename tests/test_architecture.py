@@ -84,6 +84,7 @@ DYNAMIC: dict[tuple[str, str], str] = {
     ("bench.gpu_check", "bench.multi_lora"): "runs it as a child process",
     ("bench.gpu_check", "bench.gpu_kernels"): "runs it as a child process",
     ("bench.gpu_check", "bench.awq_step"): "runs it as a child process",
+    ("bench.gpu_check", "bench.family_step"): "runs it as a child process",
     ("bench.load.platform", "bench.ray_ops"): "Ray operations as child processes of the load test",
 }
 STATUS_MODULE = "app.errors"

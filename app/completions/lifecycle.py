@@ -13,7 +13,7 @@ any engine took it (rate limits, bad input) is counted by request_metrics.refuse
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -67,6 +67,7 @@ class RequestLifecycle:
     _headers: dict[str, str] | None = None
     _recorded: bool = False
     _closing: "asyncio.Future[None] | None" = None
+    _at_close: list[Callable[[RequestStatus], Awaitable[None]]] = field(default_factory=list)
     # "batch": a Batch API line (app/batches/runner.py), outside the tenant's interactive rate limits (a
     # batch has its own bound, lines in flight) but not its money, and in the engine's batch class.
     priority: Priority = "interactive"
@@ -241,7 +242,22 @@ class RequestLifecycle:
             self._closing = asyncio.ensure_future(self._close(status))
         await asyncio.shield(self._closing)
 
+    def at_close(self, callback: Callable[[RequestStatus], Awaitable[None]]) -> None:
+        """Run `callback(status)` once the request has closed, after its lease and billing (e.g. a stored
+        response's storage hold, dropped unless it completed)."""
+        self._at_close.append(callback)
+
     async def _close(self, status: RequestStatus) -> None:
+        try:
+            await self._end(status)
+        finally:
+            for callback in self._at_close:
+                try:
+                    await callback(status)
+                except Exception:  # one hook's failure must not keep the others, or the close, from ending
+                    log.exception("a close hook of request %s failed", self.request_id)
+
+    async def _end(self, status: RequestStatus) -> None:
         stream = self.engine_stream
         if stream is not None and not stream.finished and status == "aborted":
             last = await stream.stop(STOP_WAIT_S)

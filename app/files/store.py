@@ -22,7 +22,7 @@ from adapters.errors import AdapterStoreUnavailable
 from app.cursor_page import Order, beyond
 from app.files.blobs import FileBlobs
 from billing.models import StoredFile, utcnow
-from billing.repository import lock_tenants, stored_bytes, stored_file_bytes
+from billing.repository import committed_bytes, lock_tenants, stored_file_bytes
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ class FileStore:
                 s.add(row)
                 s.flush()  # before counting: on SQLite, the write lock
                 if quota is not None:
-                    total = stored_bytes(s, tenant_id=tenant_id, now=row.created_at)  # this file's included
+                    # this file's included, and what the tenant's responses in flight hold
+                    total = committed_bytes(s, tenant_id=tenant_id, now=row.created_at)
                     if total > quota:
                         raise QuotaExceeded(total - size, size, quota)
                 return FileRecord.of(row)

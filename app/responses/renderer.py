@@ -53,6 +53,7 @@ class ResponsesRenderer:
         self.conversation = conversation  # what is stored with it
         self.store = store
         self.previous = previous  # the response it continues, read with its chain: stored by reference to it
+        self.held = False  # its storage hold was taken (routes.prepare): `keep` or `release` ends it
         self.reset()
 
     def reset(self) -> None:
@@ -128,8 +129,26 @@ class ResponsesRenderer:
             )
         except Exception:  # the response was served and billed: the client gets it, marked unstored
             log.exception("storing response %s failed", body["id"])
+            await self.release()
             return {**body, "store": False}
+        self.held = False  # the stored row took the hold's place
         return body
+
+    async def release(self) -> None:
+        """Drop the storage hold of a response that will not be stored (its request refused, failed or
+        aborted); a failure is logged: the hold expires by itself."""
+        if not self.held:
+            return
+        self.held = False
+        try:
+            await run_in_threadpool(self.store.release, self.response.id)
+        except Exception:
+            log.exception("releasing the storage hold of %s failed", self.response.id)
+
+    async def closed(self, status: str) -> None:
+        """The request closed (RequestLifecycle.at_close): unless it completed, nothing will be stored."""
+        if status != "completed":
+            await self.release()
 
     def _ended(self, items: list[OutputItem], last: RequestOutput, incomplete: bool) -> dict[str, Any]:
         usage = last.usage

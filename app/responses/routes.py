@@ -8,6 +8,7 @@ stored by reference to the one it continues) and, with truncation 'auto', drops
 its oldest turns until the prompt leaves room for the output (and, when stored, fits max_stored_kb).
 """
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.auth.authenticator import Principal
 from app.completions.delivery import respond
+from app.completions.engine_stream import uncancellable
 from app.completions.lifecycle import RequestLifecycle
 from app.completions.plan import RequestPlan, plan_chat
 from app.deps import ReaderDep, RequestIdDep, ServicesDep, TenantDep
@@ -34,6 +36,11 @@ from app.storage import stored_bytes
 from deployments.engine.interface import Priority
 
 router = APIRouter(prefix="/v1", tags=["responses"], route_class=TenantRoute)
+# The storage hold's estimate of a stored row's growth past the response as created: its end (status,
+# usage, the message and reasoning items around the text) and each output token's text as stored JSON (a
+# token is a few characters; a non-ASCII one is escaped). An output past the estimate is stored anyway.
+ENDED_BYTES = 1024
+OUTPUT_BYTES_PER_TOKEN = 16
 
 
 def _store(services: Services) -> ResponseStore:
@@ -66,7 +73,11 @@ async def _create(
     body: ResponseRequest, principal: Principal, services: Services, request_id: str
 ) -> JSONResponse | StreamingResponse:
     life, renderer = await prepare(body, principal, services, request_id)
-    return await respond(life, renderer, stream=body.stream)
+    try:
+        return await respond(life, renderer, stream=body.stream)
+    except BaseException:  # refused, failed or cancelled before a response existed: nothing will be stored
+        await uncancellable(renderer.release())
+        raise
 
 
 async def prepare(
@@ -140,6 +151,9 @@ async def prepare(
         store=store,
         previous=previous,
     )
+    if body.store and principal.max_stored_response_bytes is not None:
+        await _hold(renderer, plan, principal, principal.max_stored_response_bytes)
+        life.at_close(renderer.closed)
     return life, renderer
 
 
@@ -188,14 +202,41 @@ def _within_quota(
 ) -> None:
     """Refused before any work when the tenant's live stored responses and files (they share the quota)
     and what this response will store would pass its tier's quota: its own items (a continuation refers to
-    its chain) or, when it stores its context itself, the whole conversation. The output is not known yet,
-    and concurrent requests each see the same total: a tenant may pass its quota by what its requests in
-    flight store, no more. Run in the thread pool (queries, and the items' size)."""
+    its chain) or, when it stores its context itself, the whole conversation. A first check, without a
+    lock: the storage hold taken once the request is planned (`_hold`) is the one that counts the output
+    and the tenant's other requests in flight. Run in the thread pool (queries, and the items' size)."""
     used = stored_bytes(store, files, principal.tenant_id).total
     flattened = previous is None or previous.depth >= MAX_DEPTH
     needed = (conversation if flattened else Conversation([], conversation.items)).size()
     if used + needed > quota:
         raise StorageQuotaExceeded(used=used, needed=needed, quota=quota, tier=principal.tier)
+
+
+async def _hold(renderer: ResponsesRenderer, plan: RequestPlan, principal: Principal, quota: int) -> None:
+    """Hold what this response may store against the tenant's quota while it runs, or refuse it (403): the
+    check above saw what was stored; this one also sees what the tenant's other requests in flight hold, in
+    one transaction under the tenant's lock."""
+    needed = await run_in_threadpool(_storage_estimate, renderer, plan)
+    used = await run_in_threadpool(
+        renderer.store.hold, principal.tenant_id, renderer.response.id, needed, quota
+    )
+    if used is not None:
+        raise StorageQuotaExceeded(used=used, needed=needed, quota=quota, tier=principal.tier)
+    renderer.held = True
+
+
+def _storage_estimate(renderer: ResponsesRenderer, plan: RequestPlan) -> int:
+    """Bytes the stored row may take: the response object as created, what its end adds (status, usage, the
+    output's items), OUTPUT_BYTES_PER_TOKEN for each output token it may write, and the conversation it
+    stores itself (its own items when it continues a chain by reference)."""
+    previous, conversation = renderer.previous, renderer.conversation
+    flattened = previous is None or previous.depth >= MAX_DEPTH
+    items = (conversation if flattened else Conversation([], conversation.items)).size()
+    created = len(json.dumps(renderer.response.model_dump(), separators=(",", ":")))
+    max_out = plan.params.max_tokens
+    if max_out is None:  # runs to the context's end
+        max_out = plan.target.base.max_model_len - plan.longest_prompt
+    return items + created + ENDED_BYTES + OUTPUT_BYTES_PER_TOKEN * max_out
 
 
 def _created(body: ResponseRequest, request_id: str) -> ResponseObject:

@@ -12,7 +12,12 @@ the chain; deleting a response that a live stored response still continues keeps
 (`deleted`: it reads as missing) until nothing continues it or it expires. So each item is stored once and
 `size_bytes` is each row's own bytes: the quota counts what is held.
 
-Expired rows read as missing at once and are deleted by `sweep`, which every ingress
+A request with store true holds the bytes it may store from its admission (`hold`, a storage_holds row
+counted against the tenant's quota with its stored bytes, under the tenant's lock) until `save` turns the
+hold into the row, or `release` drops it when the request ends otherwise; holds expire (HOLD_LIFE) so a
+replica that died mid-request keeps none.
+
+Expired rows and holds read as missing at once and are deleted by `sweep`, which every ingress
 runs on a timer for all tenants (app/sweeper.py) in bounded batches; a disabled tenant's are
 removed with it (billing.repository.disable_tenant). Sessions are synchronous: callers run these in the
 thread pool.
@@ -28,10 +33,17 @@ from sqlalchemy import case, delete, select, update
 from sqlalchemy.orm import Session
 
 from app.settings import ResponsesConfig
-from billing.models import StoredResponse, utcnow
-from billing.repository import stored_response_bytes
+from billing.models import StorageHold, StoredResponse, utcnow
+from billing.repository import committed_bytes, lock_tenants, stored_response_bytes
 
 MAX_DEPTH = 64  # hops a chain is read through: one query each
+# A hold outlives any request: Serve's request_timeout_s (900 s in the cluster recipe) ends one before.
+HOLD_LIFE = timedelta(minutes=30)
+
+
+class _Full(Exception):
+    def __init__(self, used: int) -> None:
+        self.used = used
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,7 @@ class ResponseStore:
         now = utcnow()
         expires = now + timedelta(days=self.config.retention_days)
         with self.sessions() as s, s.begin():
+            s.execute(delete(StorageHold).where(StorageHold.id == body["id"]))  # the row counts instead
             link = previous if previous is not None and context and previous.depth < MAX_DEPTH else None
             # Every link lives as long as this row; the predecessor's update also tells it is still there
             # (and, on PostgreSQL, holds it against a concurrent delete until this row is committed).
@@ -122,6 +135,30 @@ class ResponseStore:
                     expires_at=expires,
                 )
             )
+
+    def hold(self, tenant_id: str, response_id: str, size: int, quota: int) -> int | None:
+        """Hold `size` bytes for the response `response_id` while its request runs, if the tenant's stored
+        and held bytes with them stay within `quota`: None when held, else what the tenant had committed
+        before (nothing is held then). Counted in the hold's own transaction under the tenant's lock, so
+        concurrent requests and uploads cannot pass the quota together."""
+        now = utcnow()
+        try:
+            with self.sessions() as s, s.begin():
+                lock_tenants(s, tenant_ids=[tenant_id])
+                expires = now + HOLD_LIFE
+                s.add(StorageHold(id=response_id, tenant_id=tenant_id, bytes=size, expires_at=expires))
+                s.flush()  # before counting: on SQLite, the write lock
+                total = committed_bytes(s, tenant_id=tenant_id, now=now)  # this hold's included
+                if total > quota:
+                    raise _Full(total - size)  # rolls the hold back
+        except _Full as full:
+            return full.used
+        return None
+
+    def release(self, response_id: str) -> None:
+        """Drop the hold of a request that ended without storing its response (idempotent)."""
+        with self.sessions() as s, s.begin():
+            s.execute(delete(StorageHold).where(StorageHold.id == response_id))
 
     def stored_bytes(self, tenant_id: str, now: datetime | None = None) -> int:
         """What the tenant's live stored responses take (their size_bytes): what its quota is read against."""
@@ -188,6 +225,8 @@ class ResponseStore:
             deleted += len(ids)
             if len(ids) < batch:
                 break
+        with self.sessions() as s, s.begin():  # holds left by replicas that died mid-request
+            s.execute(delete(StorageHold).where(StorageHold.expires_at <= now))
         return deleted
 
 

@@ -4,7 +4,8 @@
 - tier: Tier and LIMIT_FIELDS;  tenant: Tenant and TenantStatus;  api_key: ApiKey;
 - adapter: the adapter registry (Adapter, AdapterVersion, PUBLIC_OWNER);
 - usage: UsageEvent and UsageRollup;  stripe_export: StripeExport;  engine_report: EngineReport;
-- stored_response: StoredResponse (the Responses API's stored responses).
+- stored_response: StoredResponse (the Responses API's stored responses);  storage_hold: StorageHold (the
+  bytes responses in flight will store, against the storage quota).
 - stored_file: StoredFile (the Files API);  batch: Batch;  batch_line: BatchLine (the Batch API, issue 37).
 
 - credit: CreditEntry, SpendLimit, BudgetEvent (issue 29);  price: PriceChange (effective-dated prices).
@@ -34,6 +35,7 @@ from billing.models.price import PriceChange
 from billing.models.stored_file import FILE_PURPOSES, StoredFile
 from billing.models.batch import ACTIVE_BATCH_STATUSES, BATCH_ENDPOINTS, BATCH_STATUSES, Batch
 from billing.models.batch_line import LINE_STATES, BatchLine
+from billing.models.storage_hold import StorageHold
 # isort: on
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "EngineReport",
     "PriceChange",
     "SpendLimit",
+    "StorageHold",
     "StoredFile",
     "StoredResponse",
     "StripeExport",

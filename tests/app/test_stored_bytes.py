@@ -1,9 +1,11 @@
-"""Stored responses cannot fill the disk (issue 35, item 1): what no prompt renders is not stored, and
-expired rows are swept on a timer for every tenant, not only when that tenant stores again."""
+"""Stored responses cannot fill the disk (issue 35, item 1): what no prompt renders is not stored, expired
+rows are swept on a timer for every tenant, not only when that tenant stores again, and a tenant's requests
+in flight hold what they may store against its quota."""
 
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -13,7 +15,8 @@ from sqlalchemy import select
 from app.responses.conversation import item_text
 from app.responses.store import ResponseStore
 from app.settings import ResponsesConfig
-from billing.models import StoredResponse
+from billing.models import StoredResponse, utcnow
+from billing.repository import held_bytes
 from tests.app.conftest import MODEL, Served, serving
 from tests.app.test_error_contract import assert_error
 from tests.model_fixtures import TinySetup
@@ -183,3 +186,84 @@ def test_a_continuation_chain_stores_bytes_linear_in_its_turns(
         httpx.delete(f"{served.url}/v1/responses/{response_id}", headers=headers)
     with served.services.session_factory() as s:
         assert not set(s.scalars(select(StoredResponse.id).where(StoredResponse.id.in_(ids))))
+
+
+def quota_tenant(served: Served, quota: int, rpm: int | None = None) -> tuple[str, str]:
+    """A tenant of a new tier with this storage quota (and no other bound unless `rpm`)."""
+    name = f"holds-{uuid.uuid4().hex[:8]}"
+    limits = {"max_stored_response_bytes": quota, "rpm": rpm}
+    with served.admin() as admin:
+        tier = admin.post("/admin/tiers", json={"name": name, **limits})
+        assert tier.status_code == 201, tier.text
+    return served.new_tenant(name, tier=name)
+
+
+def held(served: Served, tenant_id: str) -> int:
+    with served.services.session_factory() as s:
+        return held_bytes(s, tenant_id=tenant_id, now=utcnow())
+
+
+def test_concurrent_requests_cannot_pass_the_storage_quota_together(served: Served) -> None:
+    """Each request with store true holds what it may store while it runs, counted with the tenant's stored
+    bytes under its lock: eight concurrent requests, any one of which fits, store no more than the quota
+    together (before, each checked only what was stored before it: all eight were stored, past the quota).
+    The refused ones are 403 storage_quota_exceeded, and no hold outlives its request."""
+    tenant_id, key = quota_tenant(served, 6000)
+    body = {"model": MODEL, "input": "hello there", "max_output_tokens": 4}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: post(served, key, body), range(8)))
+    codes = sorted(r.status_code for r in answers)
+    assert 200 in codes and 403 in codes and set(codes) == {200, 403}, [r.text[:200] for r in answers]
+    for refused in (r for r in answers if r.status_code == 403):
+        assert_error(refused, 403, code="storage_quota_exceeded", param="store")
+        assert "held by your requests in flight" in refused.json()["error"]["message"]
+    store = ResponseStore(served.services.session_factory, served.services.settings.responses)
+    assert 0 < store.stored_bytes(tenant_id) <= 6000
+    assert held(served, tenant_id) == 0
+    stored = {r.json()["id"] for r in answers if r.status_code == 200}
+    with served.services.session_factory() as s:
+        rows = set(s.scalars(select(StoredResponse.id).where(StoredResponse.tenant_id == tenant_id)))
+    assert rows == stored
+
+
+def test_a_stream_left_early_gives_its_hold_back(served: Served) -> None:
+    """A stream holds what it may store while it runs (its output counted at up to max_output_tokens); one
+    the client leaves mid-way stores nothing and gives its hold back when it closes."""
+    tenant_id, key = quota_tenant(served, 1_000_000)
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    body = {"model": MODEL, "input": "tell me a long story", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/responses", headers=headers, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("event: response.created")
+        assert held(served, tenant_id) > 400 * 16
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and held(served, tenant_id):
+        time.sleep(0.05)
+    assert held(served, tenant_id) == 0
+    assert ResponseStore(served.services.session_factory, ResponsesConfig()).stored_bytes(tenant_id) == 0
+
+
+def test_a_request_refused_at_admission_gives_its_hold_back(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its tier's RPM a request is refused at admission, after its hold was taken: the hold goes at
+    once, and only the first request's row is stored."""
+    tenant_id, key = quota_tenant(served, 1_000_000, rpm=1)
+    taken: list[str] = []
+    hold = ResponseStore.hold
+
+    def recorded(store: ResponseStore, tenant: str, response_id: str, size: int, quota: int) -> int | None:
+        taken.append(response_id)
+        return hold(store, tenant, response_id, size, quota)
+
+    monkeypatch.setattr(ResponseStore, "hold", recorded)
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    first = post(served, key, body)
+    assert first.status_code == 200, first.text
+    refused = post(served, key, body)
+    assert_error(refused, 429)
+    assert len(taken) == 2  # the refused request held too, before its admission
+    assert held(served, tenant_id) == 0
+    with served.services.session_factory() as s:
+        rows = set(s.scalars(select(StoredResponse.id).where(StoredResponse.tenant_id == tenant_id)))
+    assert rows == {first.json()["id"]}
