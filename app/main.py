@@ -37,6 +37,7 @@ from app.routes import (
     usage_page,
 )
 from app.services import Services
+from app.storage_billing import StorageBilling
 from app.sweeper import Sweeper
 
 Routes = Literal["all", "tenant", "admin"]
@@ -57,6 +58,12 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: 
                 responses_config.sweep_interval_s,
             ),
             Sweeper("files", services.file_store().sweep, files_config.sweep_interval_s),
+            # Not a deletion, but the same bounded round on a timer: the hour that ended, charged once.
+            Sweeper(
+                "storage charges",
+                StorageBilling(services.session_factory).charge,
+                responses_config.sweep_interval_s,
+            ),
         )
         for sweeper in sweepers:
             sweeper.start()  # what expired, of every tenant

@@ -1,5 +1,6 @@
 """Sweeper: deletes what expired, for every tenant, on a timer, from each ingress's lifespan: stored responses
-(ResponseStore.sweep) and files (FileStore.sweep, with their bytes).
+(ResponseStore.sweep) and files (FileStore.sweep, with their bytes). The hourly storage charge
+(StorageBilling.charge) runs on one too: a bounded, idempotent round like theirs.
 
 Expired rows already read as missing; this frees their space even for a tenant that never stores again (an
 idle flooder's rows stayed until it did). Every ingress replica sweeps; the deletes are idempotent and
@@ -47,5 +48,5 @@ class Sweeper:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the database or the store is away: the next round tries again
-                log.warning("expired %s not swept: %s", self.what, error)
+                log.warning("%s: this round failed, the next tries again: %s", self.what, error)
             await asyncio.sleep(self.interval_s)

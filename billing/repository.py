@@ -178,6 +178,7 @@ def create_tier(
     weight: float = 1.0,
     max_stored_response_bytes: int | None = None,
     batch_price_factor: Decimal | int | str = Decimal("0.5"),
+    price_storage_per_gb_day: Decimal | int | str = 0,
 ) -> Tier:
     """A new tier; limits default to None (unlimited), prices to 0, the weight to 1. Raises TierExists,
     InvalidLimits (InvalidPrice for a price or the currency)."""
@@ -207,6 +208,7 @@ def create_tier(
         weight=weight,
         max_stored_response_bytes=stored_bytes,
         batch_price_factor=check_price_factor(batch_price_factor),
+        price_storage_per_gb_day=check_price("price_storage_per_gb_day", price_storage_per_gb_day),
         **limits,
         **prices,
     )
@@ -235,6 +237,7 @@ def update_tier(
     weight: float | _Unset = UNSET,
     max_stored_response_bytes: int | _Unset | None = UNSET,
     batch_price_factor: Decimal | int | str | _Unset = UNSET,
+    price_storage_per_gb_day: Decimal | int | str | _Unset = UNSET,
 ) -> Tier:
     """Change what is given (UNSET: left as it is; None for a limit: unlimited). All or nothing: the
     result is checked as a whole (on_limit 'queue' needs max_queue_ms > 0) before anything is written.
@@ -280,6 +283,9 @@ def update_tier(
         _assign(tier, "weight", new_weight)
     if not isinstance(batch_price_factor, _Unset):
         _assign(tier, "batch_price_factor", check_price_factor(batch_price_factor))
+    if not isinstance(price_storage_per_gb_day, _Unset):
+        storage_price = check_price("price_storage_per_gb_day", price_storage_per_gb_day)
+        _assign(tier, "price_storage_per_gb_day", storage_price)
     s.flush()
     if _price_columns(tier) != before:  # a new row in the history; what was settled keeps its cost
         record_tier_prices(s, tier)

@@ -96,6 +96,15 @@ BatchPriceFactorOption = Annotated[
         show_default=False,
     ),
 ]
+PriceStorageOption = Annotated[
+    str | None,
+    typer.Option(
+        "--price-storage-gb-day",
+        metavar="PRICE",
+        help="Price per GB (10^9 bytes) a day of each tenant's stored responses and files, charged hourly.",
+        show_default=False,
+    ),
+]
 CurrencyOption = Annotated[
     str | None,
     typer.Option("--currency", metavar="CODE", help="ISO 4217 currency code, e.g. usd.", show_default=False),
@@ -109,6 +118,7 @@ def price_values(
     price_gpu_second: str | None,
     currency: str | None,
     batch_price_factor: str | None = None,
+    price_storage: str | None = None,
 ) -> JSON:
     """The price options that were given, by API field name, as decimal strings; exits 2 on a price that
     is not a non-negative decimal with at most 6 decimals, or a batch price factor outside 0..1."""
@@ -123,6 +133,8 @@ def price_values(
         body["currency"] = currency
     if batch_price_factor is not None:
         body["batch_price_factor"] = _factor(batch_price_factor)
+    if price_storage is not None:
+        body["price_storage_per_gb_day"] = _price("--price-storage-gb-day", price_storage)
     return body
 
 
@@ -200,6 +212,7 @@ def tiers_create(
     price_gpu_second: PriceGpuSecondOption = None,
     currency: CurrencyOption = None,
     batch_price_factor: BatchPriceFactorOption = None,
+    price_storage: PriceStorageOption = None,
     weight: Annotated[
         float,
         typer.Option(
@@ -219,7 +232,13 @@ def tiers_create(
         "on_limit": on_limit.value,
         "max_queue_ms": max_queue_ms,
         **price_values(
-            price_input, price_cached_input, price_output, price_gpu_second, currency, batch_price_factor
+            price_input,
+            price_cached_input,
+            price_output,
+            price_gpu_second,
+            currency,
+            batch_price_factor,
+            price_storage,
         ),
         "weight": weight,
         "max_stored_response_bytes": max_stored_response_bytes,
@@ -271,6 +290,7 @@ def tiers_update(
     price_gpu_second: PriceGpuSecondOption = None,
     currency: CurrencyOption = None,
     batch_price_factor: BatchPriceFactorOption = None,
+    price_storage: PriceStorageOption = None,
     weight: Annotated[
         float | None,
         typer.Option(
@@ -305,7 +325,13 @@ def tiers_update(
     )
     body |= {key: value for key, value in (*others, ("description", description)) if value is not None}
     body |= price_values(
-        price_input, price_cached_input, price_output, price_gpu_second, currency, batch_price_factor
+        price_input,
+        price_cached_input,
+        price_output,
+        price_gpu_second,
+        currency,
+        batch_price_factor,
+        price_storage,
     )
     if max_stored_response_bytes is not None and unlimited_stored_responses:
         fail(
@@ -321,7 +347,8 @@ def tiers_update(
             hint="give a limit (--rpm, --tpm, --max-concurrent, --max-tokens-cap), --unlimited, "
             "--on-limit, --max-queue-ms, --weight, --max-stored-response-bytes, "
             "--unlimited-stored-responses, --description, a price (--price-input, "
-            "--price-cached-input, --price-output, --price-gpu-second), --batch-price-factor or --currency",
+            "--price-cached-input, --price-output, --price-gpu-second, --price-storage-gb-day), "
+            "--batch-price-factor or --currency",
         )
     tier = admin_client(ctx).patch(_path(name), body)
     emit(ctx, tier, lambda t: stdout().print(_tier_record(t, "Updated tier")))
@@ -354,6 +381,7 @@ def _price_rows(tier: JSON) -> list[tuple[str, object]]:
         ("output", f"{tier.get('price_output_per_mtok')} {currency} / 1M tokens"),
         ("gpu", f"{tier.get('price_gpu_per_second')} {currency} / GPU-second"),
         ("batch price factor", f"{tier.get('batch_price_factor')} (Batch API lines: price times this)"),
+        ("storage", f"{tier.get('price_storage_per_gb_day')} {currency} / GB-day"),
     ]
 
 

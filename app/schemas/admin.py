@@ -94,6 +94,13 @@ PriceCachedInput = Annotated[
 ]
 PriceOutput = Annotated[Decimal, Field(**_PRICE, description="Price per million output tokens.")]
 PriceGpuSecond = Annotated[Decimal, Field(**_PRICE, description="Price per GPU-second of engine time.")]
+PriceStorage = Annotated[
+    Decimal,
+    Field(
+        **_PRICE,
+        description="Price per GB (10^9 bytes) a day of stored responses and files, charged hourly.",
+    ),
+]
 BatchPriceFactor = Annotated[
     Decimal,
     Field(
@@ -169,6 +176,7 @@ class TierCreate(_Body):
     weight: Weight = 1.0
     max_stored_response_bytes: StoredBytes | None = None
     batch_price_factor: BatchPriceFactor = Decimal("0.5")
+    price_storage_per_gb_day: PriceStorage = Decimal(0)
 
 
 class TierUpdate(_Body):
@@ -189,6 +197,7 @@ class TierUpdate(_Body):
     weight: Weight = 1.0
     max_stored_response_bytes: StoredBytes | None = None
     batch_price_factor: BatchPriceFactor = Decimal("0.5")
+    price_storage_per_gb_day: PriceStorage = Decimal(0)
 
 
 class TierOut(BaseModel):
@@ -214,6 +223,9 @@ class TierOut(BaseModel):
     )
     batch_price_factor: FactorString = Field(
         description='A Batch API line\'s cost is its price times this, e.g. "0.5000".'
+    )
+    price_storage_per_gb_day: DecimalString = Field(
+        description="Per GB (10^9 bytes) a day of stored responses and files, charged hourly."
     )
     created_at: datetime
 

@@ -40,3 +40,5 @@ class Tier(Base):
     max_stored_response_bytes: Mapped[int | None] = mapped_column(BigInteger)
     # A Batch API line's cost is its price times this (issue 37): batch work on idle capacity, cheaper.
     batch_price_factor: Mapped[Decimal] = mapped_column(Numeric(6, 4), default=Decimal("0.5"))
+    # Per GB (10^9 bytes) of stored responses and files a day, charged hourly (app/storage_billing.py).
+    price_storage_per_gb_day: Mapped[Decimal] = mapped_column(Numeric(18, 6), default=Decimal(0))

@@ -30,7 +30,7 @@ TENANT_FIELDS = {"id", "object", "name", "tier", "status", "created_at", "update
 TENANT_FIELDS |= {*LIMITS, "limits", "stripe_customer_id"}
 TIER_FIELDS |= {
     *("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok"),
-    *("price_gpu_per_second", "currency", "weight", "max_stored_response_bytes"),
+    *("price_gpu_per_second", "currency", "weight", "max_stored_response_bytes", "price_storage_per_gb_day"),
 }
 LIMITS_FIELDS = {*LIMITS, "on_limit", "max_queue_ms"}
 FREE = {"rpm": 60, "tpm": 100_000, "max_concurrent": 8, "max_tokens_cap": 4096, "on_limit": "reject"}

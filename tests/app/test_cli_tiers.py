@@ -39,6 +39,12 @@ def test_tier_lifecycle(cli: Cli) -> None:
     assert created["max_stored_response_bytes"] is None  # no bound unless told
     quota = cli("--json", "tiers", "update", name, "--max-stored-response-bytes", "1000000")
     assert as_json(quota)["max_stored_response_bytes"] == 1_000_000
+    assert created["price_storage_per_gb_day"] == "0.000000"  # storage is free unless priced
+    storage = as_json(cli("--json", "tiers", "update", name, "--price-storage-gb-day", "0.25"))
+    assert storage["price_storage_per_gb_day"] == "0.250000"
+    assert "0.250000 USD / GB-day" in cli("tiers", "get", name).output
+    refused = cli("tiers", "update", name, "--price-storage-gb-day", "-1")
+    assert refused.exit_code == 2 and "--price-storage-gb-day" in refused.output
     unbounded = cli("--json", "tiers", "update", name, "--unlimited-stored-responses")
     assert as_json(unbounded)["max_stored_response_bytes"] is None
     back = as_json(cli("--json", "tiers", "update", name, "--on-limit", "reject", "--max-queue-ms", "0"))

@@ -1,0 +1,103 @@
+"""StorageBilling: what tenants keep stored, charged by the hour at their tier's storage price (issue 35).
+
+A tier's `price_storage_per_gb_day` prices each GB (10^9 bytes) of its tenants' live stored responses and
+files a day. Once an hour has ended, the first run after it (every ingress runs one on the sweep timer)
+samples each such tenant's stored bytes and records one usage row for that hour: model `storage`, no
+tokens, its cost fixed at the price in force (bytes x price / 24 / 10^9, rounded to the micro-unit; under
+half a micro-unit is no row). The row's request id is made of the tenant and the hour, so replicas racing
+each other and later runs insert it once (usage rows are insert-or-ignore by request id). From there it is
+usage like any other: the hourly rollups, bills, the Stripe cost meter, `GET /v1/usage` and a prepaid
+tenant's credit count it.
+
+A sample an hour, not an integral: bytes stored and deleted within one hour between samples are not
+charged, and an hour no ingress ran after (the platform was down) is not charged later.
+"""
+
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from billing.models import StoredFile, StoredResponse, Tenant, TenantStatus, Tier, utcnow
+from billing.usage import UsageRecord, hour_of, record_usage
+
+MODEL = "storage"  # the usage rows' model and base model
+GB = 10**9
+MICRO = Decimal("0.000001")
+
+
+def storage_request_id(tenant_id: str, hour: datetime) -> str:
+    return f"storage-{tenant_id}-{hour_of(hour):%Y%m%d%H}"
+
+
+class StorageBilling:
+    def __init__(self, sessions: Callable[[], Session]) -> None:
+        self.sessions = sessions
+
+    def charge(self, now: datetime | None = None) -> int:
+        """Charge the hour that ended last, for every active tenant of a tier with a storage price; returns
+        how many rows were new (0 when another run charged the hour already). Blocking: run it in a thread."""
+        now = now or utcnow()
+        hour = hour_of(now) - timedelta(hours=1)
+        with self.sessions() as s, s.begin():
+            priced = s.execute(
+                select(Tenant.id, Tier.price_storage_per_gb_day, Tier.currency)
+                .join(Tier, Tenant.tier == Tier.name)
+                .where(Tier.price_storage_per_gb_day > 0, Tenant.status == TenantStatus.ACTIVE.value)
+            ).all()
+            if not priced:
+                return 0
+            stored = _stored_by_tenant(s, [row[0] for row in priced], now)
+            records = []
+            for tenant_id, price, currency in priced:
+                cost = (Decimal(stored.get(tenant_id, 0)) * Decimal(price) / (24 * GB)).quantize(
+                    MICRO, ROUND_HALF_UP
+                )
+                if cost > 0:
+                    records.append(_record(tenant_id, hour, cost, currency))
+            return record_usage(s, records)
+
+
+def _stored_by_tenant(s: Session, tenant_ids: list[str], now: datetime) -> dict[str, int]:
+    """Each tenant's live stored responses and files, in bytes (two grouped queries)."""
+    totals: dict[str, int] = {}
+    queries = (
+        select(StoredResponse.tenant_id, func.sum(StoredResponse.size_bytes))
+        .where(StoredResponse.tenant_id.in_(tenant_ids), StoredResponse.expires_at > now)
+        .group_by(StoredResponse.tenant_id),
+        select(StoredFile.tenant_id, func.sum(StoredFile.bytes))
+        .where(StoredFile.tenant_id.in_(tenant_ids), StoredFile.expires_at > now)
+        .group_by(StoredFile.tenant_id),
+    )
+    for query in queries:
+        for tenant_id, size in s.execute(query):
+            totals[tenant_id] = totals.get(tenant_id, 0) + int(size or 0)
+    return totals
+
+
+def _record(tenant_id: str, hour: datetime, cost: Decimal, currency: str) -> UsageRecord:
+    return UsageRecord(
+        request_id=storage_request_id(tenant_id, hour),
+        tenant_id=tenant_id,
+        key_id="",
+        model=MODEL,
+        base_model=MODEL,
+        adapter_id=None,
+        adapter_version=None,
+        status="completed",
+        finish_reason=None,
+        prompt_tokens=0,
+        cached_tokens=0,
+        completion_tokens=0,
+        gpu_ms=0.0,
+        queue_ms=0.0,
+        ttft_ms=None,
+        latency_ms=0.0,
+        replica=None,
+        started_at=hour,
+        finished_at=hour + timedelta(hours=1),
+        cost=str(cost),
+        currency=currency,
+    )

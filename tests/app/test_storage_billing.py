@@ -1,0 +1,97 @@
+"""Storage priced by the tier (issue 35, item 1): each tenant's stored responses and files charged once an
+hour at its tier's `price_storage_per_gb_day`, as a usage row with a fixed cost: on each database, and
+through the admin API, a real upload, the tenant's own usage API and its bill."""
+
+import uuid
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import httpx
+from openai import OpenAI
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.responses.store import ResponseStore
+from app.settings import ResponsesConfig
+from app.storage_billing import MODEL, StorageBilling, storage_request_id
+from billing import repository as repo
+from billing.models import UsageEvent, utcnow
+from billing.usage import hour_of, rollup_hours
+from tests.app.conftest import Served
+from tests.app.test_files_api import jsonl, line
+
+
+def response_row(response_id: str) -> dict[str, Any]:
+    return {"id": response_id, "model": "m", "previous_response_id": None, "output": []}
+
+
+def test_each_tenants_stored_bytes_are_charged_once_an_hour(session_factory: sessionmaker[Session]) -> None:
+    """A tenant of a priced tier pays bytes x price / 24 / 10^9 for the hour that ended, once however often
+    the charge runs (every ingress runs it); an unpriced tier's tenant and a disabled one pay nothing."""
+    suffix = uuid.uuid4().hex[:8]
+    with session_factory() as s, s.begin():
+        repo.create_tier(s, name=f"priced-{suffix}", price_storage_per_gb_day="24", currency="eur")
+        repo.create_tier(s, name=f"unpriced-{suffix}")
+        payer = repo.create_tenant(s, name=f"payer-{suffix}", tier=f"priced-{suffix}").id
+        free = repo.create_tenant(s, name=f"free-{suffix}", tier=f"unpriced-{suffix}").id
+        gone = repo.create_tenant(s, name=f"gone-{suffix}", tier=f"priced-{suffix}").id
+    store = ResponseStore(session_factory, ResponsesConfig())
+    bulk = [{"role": "user", "content": "x" * 500_000}]
+    for tenant_id in (payer, free, gone):
+        store.save(tenant_id, response_row(f"resp_{tenant_id}"), bulk, bulk)
+    with session_factory() as s, s.begin():
+        repo.disable_tenant(s, tenant_id=gone)
+    size = store.stored_bytes(payer)
+    assert size > 1_000_000
+    billing = StorageBilling(session_factory)
+    now = utcnow()
+    assert billing.charge(now) >= 1
+    assert billing.charge(now) == 0 and billing.charge(now + timedelta(minutes=5)) == 0  # charged once
+    hour = hour_of(now) - timedelta(hours=1)
+    with session_factory() as s:
+        rows = s.scalars(select(UsageEvent).where(UsageEvent.tenant_id.in_([payer, free, gone]))).all()
+    assert [(r.tenant_id, r.request_id) for r in rows] == [(payer, storage_request_id(payer, hour))]
+    row = rows[0]
+    assert row.cost == (Decimal(size) * 24 / 24 / 10**9).quantize(Decimal("0.000001"))
+    assert (row.currency, row.model, row.prompt_tokens, row.completion_tokens) == ("eur", MODEL, 0, 0)
+    assert (hour_of(row.started_at), row.finished_at - row.started_at) == (hour, timedelta(hours=1))
+    assert billing.charge(now + timedelta(hours=1)) >= 1  # the next hour is charged in its turn
+
+
+def test_a_tier_priced_through_the_admin_api_charges_an_uploaded_file(served: Served) -> None:
+    """The admin prices a tier's storage; its tenant uploads a file with the OpenAI SDK; the hour's charge
+    is in the tenant's own GET /v1/usage (base model `storage`, no tokens) and on its bill at its cost."""
+    name = f"stored-{uuid.uuid4().hex[:8]}"
+    with served.admin() as admin:
+        tier = admin.post("/admin/tiers", json={"name": name, "price_storage_per_gb_day": "1000"})
+        assert tier.status_code == 201, tier.text
+        assert tier.json()["price_storage_per_gb_day"] == "1000.000000"
+        refused = admin.patch(f"/admin/tiers/{name}", json={"price_storage_per_gb_day": "-1"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "price_storage_per_gb_day"
+    tenant_id, key = served.new_tenant(name, tier=name)
+    client = OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+    uploaded = client.files.create(
+        file=("in.jsonl", jsonl([line(f"l{i}") for i in range(40)])), purpose="batch"
+    )
+    now = utcnow()
+    assert StorageBilling(served.services.session_factory).charge(now) >= 1
+    hour = hour_of(now) - timedelta(hours=1)
+    period = {"start": hour.isoformat(), "end": (hour + timedelta(hours=1)).isoformat()}
+    usage = httpx.get(
+        f"{served.url}/v1/usage",
+        params={**period, "group_by": "model"},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    assert usage.status_code == 200, usage.text
+    (storage,) = [d for d in usage.json()["data"] if d["base_model"] == MODEL]
+    assert (storage["requests"], storage["prompt_tokens"], storage["completion_tokens"]) == (1, 0, 0)
+    with served.services.session_factory() as s, s.begin():
+        rollup_hours(s, start=hour, end=hour + timedelta(hours=1))
+    with served.admin() as admin:
+        bill = admin.get(f"/admin/tenants/{tenant_id}/bill", params=period)
+    assert bill.status_code == 200, bill.text
+    (charged,) = [line for line in bill.json()["lines"] if line["base_model"] == MODEL]
+    want = (Decimal(uploaded.bytes) * 1000 / 24 / 10**9).quantize(Decimal("0.000001"))
+    assert Decimal(charged["total"]) == want > 0
