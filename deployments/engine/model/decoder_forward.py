@@ -50,12 +50,20 @@ class _Layer:
     sliding_window: int | None
 
 
+def language_model(model: PreTrainedModel) -> Any:
+    """The decoder text runs through: the CausalLM's `model`, or a multimodal checkpoint's text tower
+    (`gemma3`: Gemma3ForConditionalGeneration's `model.language_model`; text requests never reach the vision
+    tower, so its weights stay idle)."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "language_model", inner)
+
+
 def unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why our forward cannot run this model (None: it can)."""
-    config = model.config
+    config = model.config.get_text_config()
     if (reason := family_reason(config)) is not None:
         return reason
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    rotary = getattr(language_model(model), "rotary_emb", None)
     if rotary is None:
         return "no rotary embedding module"
     rope = getattr(rotary, "rope_type", "default")
@@ -86,13 +94,15 @@ class DecoderForward:
     ) -> None:
         self.ops = ops
         self.kv_cache = kv_cache
-        inner: Any = model.model  # e.g. LlamaModel, Phi3Model, Qwen3Model, Gemma3TextModel
-        config = model.config
+        inner = language_model(model)  # e.g. LlamaModel, Phi3Model, Qwen3Model, Gemma3TextModel
+        config = model.config.get_text_config()
         family = FAMILIES[config.model_type]
         self.embed: nn.Embedding = inner.embed_tokens  # Gemma's scales by sqrt(hidden) in its forward
         self.final_norm = family.final_norm(inner.norm)
         self.lm_head: nn.Module = model.lm_head
-        self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        # The head's own model decides: Gemma3ForCausalLM caps with its config's value, while a multimodal
+        # Gemma3ForConditionalGeneration (whose top-level config has none) does not.
+        self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         self.gelu = activation(config) == "gelu_tanh"
         device = inner.norm.weight.device
         dtype = self.embed.weight.dtype
