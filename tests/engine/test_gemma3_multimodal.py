@@ -67,7 +67,7 @@ def peft_adapters(model_dir: Path, out: Path) -> dict[str, Path]:
                 if "lora_" in param_name:
                     param.mul_(0.3)
         dirs[name] = out / name
-        peft.save_pretrained(dirs[name])
+        peft.save_pretrained(str(dirs[name]))
     return dirs
 
 
