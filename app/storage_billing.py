@@ -17,10 +17,11 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from billing.models import StoredFile, StoredResponse, Tenant, TenantStatus, Tier, utcnow
+from billing.models import Tenant, TenantStatus, Tier, utcnow
+from billing.repository import stored_bytes_by_tenant
 from billing.usage import UsageRecord, hour_of, record_usage
 
 MODEL = "storage"  # the usage rows' model and base model
@@ -35,21 +36,25 @@ def storage_request_id(tenant_id: str, hour: datetime) -> str:
 class StorageBilling:
     def __init__(self, sessions: Callable[[], Session]) -> None:
         self.sessions = sessions
+        # The last hour this instance charged: the timer's later rounds in that hour need no queries (another
+        # replica's charge of it is found by the insert-or-ignore).
+        self._charged: datetime | None = None
 
     def charge(self, now: datetime | None = None) -> int:
         """Charge the hour that ended last, for every active tenant of a tier with a storage price; returns
         how many rows were new (0 when another run charged the hour already). Blocking: run it in a thread."""
         now = now or utcnow()
         hour = hour_of(now) - timedelta(hours=1)
+        if hour == self._charged:
+            return 0
         with self.sessions() as s, s.begin():
             priced = s.execute(
                 select(Tenant.id, Tier.price_storage_per_gb_day, Tier.currency)
                 .join(Tier, Tenant.tier == Tier.name)
                 .where(Tier.price_storage_per_gb_day > 0, Tenant.status == TenantStatus.ACTIVE.value)
             ).all()
-            if not priced:
-                return 0
-            stored = _stored_by_tenant(s, [row[0] for row in priced], now)
+            ids = [row[0] for row in priced]
+            stored = stored_bytes_by_tenant(s, tenant_ids=ids, now=now) if ids else {}
             records = []
             for tenant_id, price, currency in priced:
                 cost = (Decimal(stored.get(tenant_id, 0)) * Decimal(price) / (24 * GB)).quantize(
@@ -57,24 +62,9 @@ class StorageBilling:
                 )
                 if cost > 0:
                     records.append(_record(tenant_id, hour, cost, currency))
-            return record_usage(s, records)
-
-
-def _stored_by_tenant(s: Session, tenant_ids: list[str], now: datetime) -> dict[str, int]:
-    """Each tenant's live stored responses and files, in bytes (two grouped queries)."""
-    totals: dict[str, int] = {}
-    queries = (
-        select(StoredResponse.tenant_id, func.sum(StoredResponse.size_bytes))
-        .where(StoredResponse.tenant_id.in_(tenant_ids), StoredResponse.expires_at > now)
-        .group_by(StoredResponse.tenant_id),
-        select(StoredFile.tenant_id, func.sum(StoredFile.bytes))
-        .where(StoredFile.tenant_id.in_(tenant_ids), StoredFile.expires_at > now)
-        .group_by(StoredFile.tenant_id),
-    )
-    for query in queries:
-        for tenant_id, size in s.execute(query):
-            totals[tenant_id] = totals.get(tenant_id, 0) + int(size or 0)
-    return totals
+            new = record_usage(s, records)
+        self._charged = hour
+        return new
 
 
 def _record(tenant_id: str, hour: datetime, cost: Decimal, currency: str) -> UsageRecord:

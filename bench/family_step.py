@@ -67,7 +67,7 @@ class FamilyEngine:
             hf, _ = build()
         ours_forward, hf_forward = ours.runner.forward, hf.runner.forward
         if not isinstance(ours_forward, DecoderForward) or not isinstance(hf_forward, HFForward):
-            raise RuntimeError(f"{arch}: want our forward and HF's, got {ours.runner.forward.name}")
+            raise RuntimeError(f"{arch}: forwards {ours_forward.name}, {hf_forward.name}; want decoder, hf")
         self.engines = {"ours": ours, "hf": hf}
         self.clocks = {name: PhaseClock(engine) for name, engine in self.engines.items()}
         self.refs: list[AdapterRef | None] = [refs[i % len(refs)] for i in range(args.batch)]

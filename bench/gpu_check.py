@@ -13,10 +13,10 @@ Steps, each bounded in time and recorded even when it fails (DIR/gpu_check.json,
   host         - bench.host_overhead --device cuda on the tiny and narrow-22 presets;
   lora_bf16    - bench.multi_lora --device cuda on bench-1b (TinyLlama's shape), adapters vs base and the step
                  against its weight-read floor, with ours-base vs HF generate;
+  lora_nf4     - the same in nf4 (bitsandbytes);
   families     - bench.family_step --device cuda at bench-1b's shape, bf16: Qwen3- and Gemma-3-shaped decode
                  steps (16 adapters, batch 32, graph-captured) against Llama's shape and against HF's
                  forward (the fallback a family off our forward would get);
-  lora_nf4     - the same in nf4 (bitsandbytes);
   awq          - bench.awq_step: bench-1b exported to AWQ here, through our int4 linear (no gptqmodel on the
                  GPU image): the linear against the dequantized reference, each side (fused GEMM,
                  dequantize + matmul) at 1-256 rows with its time, and the decode step vs bf16 at batch 32;

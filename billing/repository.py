@@ -471,6 +471,23 @@ def stored_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
     )
 
 
+def stored_bytes_by_tenant(s: Session, *, tenant_ids: Sequence[str], now: datetime) -> dict[str, int]:
+    """stored_bytes for many tenants at once (two grouped queries); a tenant that keeps nothing is absent."""
+    totals: dict[str, int] = {}
+    queries = (
+        select(StoredResponse.tenant_id, func.sum(StoredResponse.size_bytes))
+        .where(StoredResponse.tenant_id.in_(tenant_ids), StoredResponse.expires_at > now)
+        .group_by(StoredResponse.tenant_id),
+        select(StoredFile.tenant_id, func.sum(StoredFile.bytes))
+        .where(StoredFile.tenant_id.in_(tenant_ids), StoredFile.expires_at > now)
+        .group_by(StoredFile.tenant_id),
+    )
+    for query in queries:
+        for tenant_id, size in s.execute(query):
+            totals[tenant_id] = totals.get(tenant_id, 0) + int(size or 0)
+    return totals
+
+
 def held_bytes(s: Session, *, tenant_id: str, now: datetime) -> int:
     """What the tenant's responses in flight hold to store (their live storage holds)."""
     live = (StorageHold.tenant_id == tenant_id) & (StorageHold.expires_at > now)

@@ -206,8 +206,7 @@ def _within_quota(
     lock: the storage hold taken once the request is planned (`_hold`) is the one that counts the output
     and the tenant's other requests in flight. Run in the thread pool (queries, and the items' size)."""
     used = stored_bytes(store, files, principal.tenant_id).total
-    flattened = previous is None or previous.depth >= MAX_DEPTH
-    needed = (conversation if flattened else Conversation([], conversation.items)).size()
+    needed = _stored_items_size(conversation, previous)
     if used + needed > quota:
         raise StorageQuotaExceeded(used=used, needed=needed, quota=quota, tier=principal.tier)
 
@@ -225,13 +224,18 @@ async def _hold(renderer: ResponsesRenderer, plan: RequestPlan, principal: Princ
     renderer.held = True
 
 
+def _stored_items_size(conversation: Conversation, previous: Stored | None) -> int:
+    """What the row keeps of the conversation: its own items when it continues a chain by reference, the
+    whole conversation when it stores it flattened (a first response, or a chain MAX_DEPTH deep)."""
+    flattened = previous is None or previous.depth >= MAX_DEPTH
+    return (conversation if flattened else Conversation([], conversation.items)).size()
+
+
 def _storage_estimate(renderer: ResponsesRenderer, plan: RequestPlan) -> int:
     """Bytes the stored row may take: the response object as created, what its end adds (status, usage, the
     output's items), OUTPUT_BYTES_PER_TOKEN for each output token it may write, and the conversation it
     stores itself (its own items when it continues a chain by reference)."""
-    previous, conversation = renderer.previous, renderer.conversation
-    flattened = previous is None or previous.depth >= MAX_DEPTH
-    items = (conversation if flattened else Conversation([], conversation.items)).size()
+    items = _stored_items_size(renderer.conversation, renderer.previous)
     created = len(json.dumps(renderer.response.model_dump(), separators=(",", ":")))
     max_out = plan.params.max_tokens
     if max_out is None:  # runs to the context's end

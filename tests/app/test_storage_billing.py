@@ -48,6 +48,7 @@ def test_each_tenants_stored_bytes_are_charged_once_an_hour(session_factory: ses
     now = utcnow()
     assert billing.charge(now) >= 1
     assert billing.charge(now) == 0 and billing.charge(now + timedelta(minutes=5)) == 0  # charged once
+    assert StorageBilling(session_factory).charge(now) == 0  # another replica's run inserts nothing
     hour = hour_of(now) - timedelta(hours=1)
     with session_factory() as s:
         rows = s.scalars(select(UsageEvent).where(UsageEvent.tenant_id.in_([payer, free, gone]))).all()
