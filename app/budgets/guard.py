@@ -36,6 +36,7 @@ HOLD_TTL_MS = 120_000  # a hold nobody renews (its request's timer, every third 
 # A settle that failed is retried this long: past the hold's life (a lapsed hold is still charged) but
 # within the backend's memory of settled ids, so an attempt that landed unseen is never charged twice.
 SETTLE_RETRY_S = SETTLED_MEMORY_MS / 1000 * 0.9
+LOAD_TRIES = 3  # snapshots read before giving up: each retry follows a credit that committed after the read
 _RETRIES: set["asyncio.Future[None]"] = set()  # background settle retries, kept from the GC
 _LIMIT_NAMES = {"credit": "prepaid credit", "day": "daily spend limit", "month": "monthly spend limit"}
 
@@ -130,8 +131,14 @@ class BudgetGuard:
         return self._sessions()
 
     async def load(self, tenant_id: str) -> None:
-        snapshot = await run_in_threadpool(self._snapshot, tenant_id)
-        await self.backend.load(snapshot, snapshot.version)
+        """Load the tenant from the database. A backend that saw a credit notice newer than the snapshot
+        refuses it (the entry committed after the read); the next read has it."""
+        for _ in range(LOAD_TRIES):
+            snapshot = await run_in_threadpool(self._snapshot, tenant_id)
+            if await self.backend.load(snapshot, snapshot.version):
+                return
+        log.warning("%s's budget snapshot stayed older than its credit notices, refusing", tenant_id)
+        raise BudgetUnavailable()  # fail closed
 
     def _snapshot(self, tenant_id: str) -> credit.BudgetSnapshot:
         with self._sessions() as session:
@@ -225,6 +232,11 @@ class BudgetGuard:
             await self.backend.settle(tenant_id, request_id, 0, periods_at())
         except Exception as error:
             log.warning("dropping the hold of %s failed, it lapses: %s", request_id, error)
+
+    async def spend(self, tenant_id: str, request_id: str, cost: Decimal) -> None:
+        """A charge with no request in flight (an hour's storage): settled as a request is, once per id; a
+        tenant not loaded counts it from its usage row when it loads."""
+        await self.backend.settle(tenant_id, request_id, to_micros(cost), periods_at())
 
     async def renew(self, hold: BudgetHold) -> None:
         if hold.amount is not None:

@@ -10,8 +10,8 @@ class LocalBudgets(BudgetBackend):
     def __init__(self) -> None:
         self.state = BudgetState()
 
-    async def load(self, snapshot: BudgetSnapshot, version: int) -> None:
-        self.state.load(snapshot, version)
+    async def load(self, snapshot: BudgetSnapshot, version: int) -> bool:
+        return self.state.load(snapshot, version)
 
     async def reserve(self, tenant: str, request_id: str, amount: int, ttl_ms: int, periods: Periods) -> Hold:
         return self.state.reserve(tenant, request_id, amount, ttl_ms, periods)

@@ -17,6 +17,9 @@ from billing.credit import BudgetSnapshot
 # credit: the prepaid balance; day / month: a hard spend limit; not_loaded: the backend must be loaded.
 BudgetReason = Literal["credit", "day", "month", "not_loaded"]
 SETTLED_MEMORY_MS = 600_000  # a settled id is remembered this long: a retried settle charges once
+# A credit notice for a tenant not loaded is remembered this long (its version only): a load whose
+# snapshot was read before that entry and installs after the notice would otherwise miss it.
+UNSEEN_CREDIT_MS = 60_000
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,12 @@ class BudgetBackend(Protocol):
     """Shared budget state for every ingress replica; each call is atomic. Failures raise
     LimiterUnavailable (app.limits), and the ingress then refuses (budgets fail closed)."""
 
-    async def load(self, snapshot: BudgetSnapshot, version: int) -> None:
+    async def load(self, snapshot: BudgetSnapshot, version: int) -> bool:
         """Take the tenant's budget from the database, unless it is loaded already (a live state is newer
         than any snapshot: it has settlements the database may not have yet). `version`: how many credit
-        entries the snapshot saw."""
+        entries the snapshot saw. False when a credit notice newer than the snapshot came while the
+        tenant was not loaded (within UNSEEN_CREDIT_MS): the snapshot is stale, nothing was taken, and
+        the caller reads a new one."""
         ...
 
     async def reserve(self, tenant: str, request_id: str, amount: int, ttl_ms: int, periods: Periods) -> Hold:
@@ -93,7 +98,9 @@ class BudgetBackend(Protocol):
         order notices arrive (they come from different replicas). `version` is the entry's place in the
         tenant's ledger (billing.credit.add_credit allocates them one by one under the tenant's lock):
         entries the snapshot already counted, `version` <= its own, are skipped, and so is one counted
-        already because it arrived before an earlier one."""
+        already because it arrived before an earlier one. A notice for a tenant not loaded (or loaded
+        as postpaid, which it drops) leaves its version behind, so a load in flight with an older
+        snapshot is refused rather than losing the entry."""
         ...
 
     async def set_limits(self, tenant: str, limits: dict[str, tuple[int, bool]]) -> None:

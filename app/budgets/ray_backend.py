@@ -38,8 +38,8 @@ class RayBudgets(BudgetBackend):
                 ray.cancel(ref)
             raise LimiterUnavailable(f"budget actor unavailable: {error}") from error
 
-    async def load(self, snapshot: BudgetSnapshot, version: int) -> None:
-        await self._call(self._actor.load.remote(snapshot, version))
+    async def load(self, snapshot: BudgetSnapshot, version: int) -> bool:
+        return bool(await self._call(self._actor.load.remote(snapshot, version)))
 
     async def reserve(self, tenant: str, request_id: str, amount: int, ttl_ms: int, periods: Periods) -> Hold:
         hold: Hold = await self._call(self._actor.reserve.remote(tenant, request_id, amount, ttl_ms, periods))

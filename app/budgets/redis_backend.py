@@ -11,6 +11,8 @@ Each operation is one script, so it is atomic across replicas; amounts are integ
     holds:n    HASH  request id -> amount held
     settled    ZSET  request id -> forget after (ms)
     credits    SET   credit versions counted above meta's `version` (they arrived before an earlier one)
+    unseen     STRING the newest credit version noticed while the tenant was not loaded (expires after
+                     UNSEEN_CREDIT_MS): a load with an older snapshot is refused
 
 A tenant whose meta is missing (never loaded, or lost with a Redis restart) answers `not_loaded`: the
 ingress loads it from the database before admitting anything, so an outage fails closed. Meta and
@@ -28,11 +30,19 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from app.budgets.protocol import SETTLED_MEMORY_MS, BudgetBackend, BudgetReason, BudgetView, Hold, Periods
+from app.budgets.protocol import (
+    SETTLED_MEMORY_MS,
+    UNSEEN_CREDIT_MS,
+    BudgetBackend,
+    BudgetReason,
+    BudgetView,
+    Hold,
+    Periods,
+)
 from app.limits import LimiterUnavailable
 from billing.credit import BudgetSnapshot
 
-_SUFFIXES = ("meta", "holds", "holds:n", "settled", "credits")
+_SUFFIXES = ("meta", "holds", "holds:n", "settled", "credits", "unseen")
 _SCRIPTS = ("reserve", "settle", "load", "renew", "credit", "set_limits", "peek")
 
 
@@ -100,15 +110,15 @@ class RedisBudgets(BudgetBackend):
                 raise LimiterUnavailable(f"redis budgets unavailable: {error!r}") from error
         raise AssertionError("unreachable")
 
-    async def load(self, snapshot: BudgetSnapshot, version: int) -> None:
+    async def load(self, snapshot: BudgetSnapshot, version: int) -> bool:
         fields: list[int | str] = [
-            "prepaid", int(snapshot.balance is not None), "balance", snapshot.balance or 0,
+            version, "prepaid", int(snapshot.balance is not None), "balance", snapshot.balance or 0,
             "version", version, "day", snapshot.day_key, "month", snapshot.month_key,
             "spent_day", snapshot.spent_day, "spent_month", snapshot.spent_month, "reserved", 0,
         ]  # fmt: skip
         for period, (amount, hard) in snapshot.limits.items():
             fields += [f"limit_{period}", amount, f"hard_{period}", int(hard)]
-        await self._run("load", snapshot.tenant_id, fields)
+        return bool(await self._run("load", snapshot.tenant_id, fields))
 
     async def reserve(self, tenant: str, request_id: str, amount: int, ttl_ms: int, periods: Periods) -> Hold:
         if amount < 0:
@@ -128,7 +138,7 @@ class RedisBudgets(BudgetBackend):
         await self._run("renew", tenant, [request_id, ttl_ms])
 
     async def credit(self, tenant: str, delta: int, version: int) -> None:
-        await self._run("credit", tenant, [delta, version])
+        await self._run("credit", tenant, [delta, version, UNSEEN_CREDIT_MS])
 
     async def set_limits(self, tenant: str, limits: dict[str, tuple[int, bool]]) -> None:
         args: list[int | str] = []
@@ -139,7 +149,8 @@ class RedisBudgets(BudgetBackend):
 
     async def forget(self, tenant: str) -> None:
         try:
-            await self._redis.delete(*self.keys(tenant))
+            # `unseen` stays: a load in flight with an older snapshot is still refused.
+            await self._redis.delete(*self.keys(tenant)[:-1])
         except (RedisError, OSError) as error:
             raise LimiterUnavailable(f"redis budgets unavailable: {error!r}") from error
 

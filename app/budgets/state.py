@@ -7,12 +7,14 @@ settlement that names a newer period starts that period at zero), the hard and s
 flight (id -> amount, expiry) with their total, the ids settled lately (so a retried settle charges
 once), and the credit entries counted: every version up to `version`, and those above it that arrived
 before an earlier one (notices from different replicas race), so each entry lands exactly once in any order.
+A notice for a tenant not loaded leaves its version for a while (`unseen`), and a load whose snapshot
+predates it is refused: the loader reads the database again, which by then has the entry.
 """
 
 import time
 from dataclasses import dataclass, field
 
-from app.budgets.protocol import SETTLED_MEMORY_MS, BudgetView, Hold, Periods
+from app.budgets.protocol import SETTLED_MEMORY_MS, UNSEEN_CREDIT_MS, BudgetView, Hold, Periods
 from billing.credit import BudgetSnapshot
 
 
@@ -34,14 +36,21 @@ class _Tenant:
 class BudgetState:
     def __init__(self) -> None:
         self._tenants: dict[str, _Tenant] = {}
+        self._unseen: dict[
+            str, tuple[int, int]
+        ] = {}  # tenant not loaded -> (newest credit version, until ms)
 
     @staticmethod
     def now_ms() -> int:
         return time.monotonic_ns() // 1_000_000
 
-    def load(self, snapshot: BudgetSnapshot, version: int) -> None:
+    def load(self, snapshot: BudgetSnapshot, version: int, now: int | None = None) -> bool:
         if snapshot.tenant_id in self._tenants:
-            return
+            return True
+        unseen = self._unseen.pop(snapshot.tenant_id, None)
+        if unseen is not None and unseen[0] > version and unseen[1] > (self.now_ms() if now is None else now):
+            self._unseen[snapshot.tenant_id] = unseen  # kept for the next try, which must be as new
+            return False
         self._tenants[snapshot.tenant_id] = _Tenant(
             balance=snapshot.balance,
             version=version,
@@ -51,6 +60,7 @@ class BudgetState:
             spent_month=snapshot.spent_month,
             limits=dict(snapshot.limits),
         )
+        return True
 
     def reserve(
         self, tenant: str, request_id: str, amount: int, ttl_ms: int, periods: Periods, now: int | None = None
@@ -106,18 +116,27 @@ class BudgetState:
             amount, _ = t.holds[request_id]
             t.holds[request_id] = (amount, (self.now_ms() if now is None else now) + ttl_ms)
 
-    def credit(self, tenant: str, delta: int, version: int) -> None:
+    def credit(self, tenant: str, delta: int, version: int, now: int | None = None) -> None:
         t = self._tenants.get(tenant)
-        if t is None or version <= t.version or version in t.credits:
+        if t is None or t.balance is None:
+            # Not loaded, or it just became prepaid (its balance is the database's to say): a load with
+            # an older snapshot must not install it.
+            self._tenants.pop(tenant, None)
+            self._remember_unseen(tenant, version, self.now_ms() if now is None else now)
             return
-        if t.balance is None:  # it just became prepaid: its balance is the database's to say
-            del self._tenants[tenant]
+        if version <= t.version or version in t.credits:
             return
         t.balance += delta
         t.credits.add(version)
         while t.version + 1 in t.credits:  # every entry up to here is counted now
             t.version += 1
             t.credits.remove(t.version)
+
+    def _remember_unseen(self, tenant: str, version: int, now: int) -> None:
+        for lapsed in [name for name, (_, until) in self._unseen.items() if until <= now]:
+            del self._unseen[lapsed]
+        newest = max(version, self._unseen.get(tenant, (0, 0))[0])
+        self._unseen[tenant] = (newest, now + UNSEEN_CREDIT_MS)
 
     def set_limits(self, tenant: str, limits: dict[str, tuple[int, bool]]) -> None:
         t = self._tenants.get(tenant)

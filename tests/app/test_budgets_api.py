@@ -3,9 +3,11 @@ insufficient_quota before any work, spend limits hard and soft, the surfaces (GE
 credit and budgets), every usage row priced, and budgets failing closed when their state is away."""
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from decimal import Decimal
 
@@ -315,3 +317,38 @@ def test_a_top_up_past_the_most_credit_a_tenant_may_hold_is_a_400(served: Served
     time.sleep(served.services.settings.auth_cache_ttl_s * 2)
     assert chat(served, key, max_tokens=4).status_code == 200
     assert top_up(served, tenant_id, "-0.5", kind="adjustment").status_code == 201  # back within
+
+
+def test_a_hold_outlives_a_silent_engine_through_http(served: Served, metered_tier: str) -> None:
+    """Issue 35, item 5, through the route: the engine says nothing for several hold lives (its loop is
+    busy, as under a long queue or prefill). The request's timer keeps its hold, so a second request that
+    the balance cannot cover beside it is refused; once the first ends it settles exactly its usage row's
+    cost. Before the timer, the silent request's hold lapsed, the second was admitted, and both settled."""
+    tenant_id, key = new_tenant(served, metered_tier)
+    top_up(served, tenant_id, "0.30")  # one hold of ~0.21 fits (100 output tokens at 0.002), two do not
+    time.sleep(served.services.settings.auth_cache_ttl_s * 2)
+    guard = served.services.budget_guard
+    assert guard is not None
+    kept_ttl, guard.hold_ttl_ms = guard.hold_ttl_ms, 600  # renewed every 0.2 s by the request's timer
+    silence = threading.Event()
+    stalled = served.engine.run_on_loop(lambda _: silence.wait(30))  # the engine's loop says nothing
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(chat, served, key, 100)
+            wait_for(lambda: Decimal(limits(served, key).json()["budget"]["reserved"]) > 0)
+            time.sleep(2.0)  # more than three hold lives with no output
+            assert not first.done()
+            second = chat(served, key, max_tokens=100)
+            assert second.status_code == 429, second.text
+            assert second.json()["error"]["code"] == "insufficient_quota"
+            silence.set()
+            reply = first.result(timeout=60)
+    finally:
+        silence.set()
+        stalled.result(timeout=30)
+        guard.hold_ttl_ms = kept_ttl
+    assert reply.status_code == 200, reply.text
+    spent = cost_of(reply.json())
+    wait_for(lambda: costs(served, tenant_id) == [spent])
+    shown = limits(served, key).json()["budget"]
+    assert Decimal(shown["balance"]) == Decimal("0.30") - spent and shown["reserved"] == "0.000000"

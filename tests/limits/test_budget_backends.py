@@ -211,3 +211,32 @@ async def test_redis_budgets_survive_a_pooled_connection_that_died(redis_url: st
         killer.close()
         await budgets.aclose()
         _delete_keys(redis_url, prefix)
+
+
+async def test_a_credit_noticed_before_its_tenant_loads_is_not_lost(budgets: BudgetBackend) -> None:
+    """Issue 35, item 4: a load reads its snapshot, a top-up commits and its notice arrives while the
+    tenant is not loaded yet, then the load installs the older snapshot. The backend refuses it, and the
+    next snapshot (which has the entry) is taken: the entry lands once."""
+    await budgets.credit(TENANT, 10_000_000, 2)  # the tenant is not loaded: nothing to add it to
+    assert not await budgets.load(snapshot(balance=0), 1)  # read before entry 2 committed: refused
+    assert await budgets.peek(TENANT, TODAY) is None
+    assert await budgets.load(snapshot(balance=10_000_000), 2)
+    await budgets.credit(TENANT, 10_000_000, 2)  # the notice again: counted once
+    view = await budgets.peek(TENANT, TODAY)
+    assert view is not None and view.balance == 10_000_000
+    assert await budgets.load(snapshot(balance=0), 1)  # loaded already: the live state stays
+    view = await budgets.peek(TENANT, TODAY)
+    assert view is not None and view.balance == 10_000_000
+
+
+async def test_a_first_top_up_is_not_lost_to_a_postpaid_snapshot_in_flight(budgets: BudgetBackend) -> None:
+    """A postpaid tenant's first top-up makes it prepaid: the backend drops its state, and a load that
+    read the postpaid snapshot before the top-up must not install it (it would admit on no balance)."""
+    assert await budgets.load(snapshot(balance=None), 0)
+    await budgets.credit(TENANT, 3_000_000, 1)
+    assert await budgets.peek(TENANT, TODAY) is None
+    await budgets.forget(TENANT)  # forgetting the tenant keeps the notice's mark
+    assert not await budgets.load(snapshot(balance=None), 0)
+    assert await budgets.load(snapshot(balance=3_000_000), 1)
+    refused = await budgets.reserve(TENANT, rid(), 4_000_000, TTL, TODAY)
+    assert (refused.admitted, refused.reason) == (False, "credit")

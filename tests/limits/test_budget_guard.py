@@ -220,3 +220,32 @@ async def test_a_settle_that_fails_past_the_holds_life_lands_later(
             break
         await asyncio.sleep(0.1)
     assert spent == row_cost
+
+
+class _TopUpDuringLoad(LocalBudgets):
+    """A backend whose first load comes after a top-up committed and its notice arrived: the snapshot in
+    hand predates the entry (the race of issue 35, item 4)."""
+
+    def __init__(self, sessions: sessionmaker[Session], tenant_id: str) -> None:
+        super().__init__()
+        self._sessions, self._tenant, self.loads = sessions, tenant_id, 0
+
+    async def load(self, snapshot: credit.BudgetSnapshot, version: int) -> bool:
+        self.loads += 1
+        if self.loads == 1:
+            with self._sessions() as s, s.begin():
+                credit.add_credit(s, tenant_id=self._tenant, amount="4", kind="topup", reason="", actor="t")
+                version_now = credit.credit_version(s, tenant_id=self._tenant)
+            await self.credit(self._tenant, to_micros(Decimal(4)), version_now)
+        return await super().load(snapshot, version)
+
+
+async def test_a_top_up_landing_while_the_tenant_loads_is_counted(sessions: sessionmaker[Session]) -> None:
+    """Before the fix the notice found no tenant and was dropped, and the load installed the older
+    snapshot: the live balance said 1.00 where the ledger said 5.00 until the next reload."""
+    tenant_id = tenant(sessions, "tokens", "1")
+    backend = _TopUpDuringLoad(sessions, tenant_id)
+    guard = BudgetGuard(backend, sessions, price_ttl_s=0)
+    view = await guard.view(tenant_id)
+    assert backend.loads == 2  # the stale snapshot was refused and a new one read
+    assert view is not None and view.balance == to_micros(Decimal(5))
