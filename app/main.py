@@ -61,7 +61,10 @@ def create_app(services: Services, *, behind_serve_proxy: bool = False, routes: 
             # Not a deletion, but the same bounded round on a timer: the hour that ended, charged once.
             Sweeper(
                 "storage charges",
-                StorageBilling(services.session_factory).charge,
+                StorageBilling(
+                    services.session_factory,
+                    spend=None if services.budget_guard is None else services.budget_guard.spend,
+                ).charge,
                 responses_config.sweep_interval_s,
             ),
         )

@@ -7,24 +7,32 @@ tokens, its cost fixed at the price in force (bytes x price / 24 / 10^9, rounded
 half a micro-unit is no row). The row's request id is made of the tenant and the hour, so replicas racing
 each other and later runs insert it once (usage rows are insert-or-ignore by request id). From there it is
 usage like any other: the hourly rollups, bills, the Stripe cost meter, `GET /v1/usage` and a prepaid
-tenant's credit count it.
+tenant's credit count it. The run that inserted a row also spends it in the live budget (`spend`: the
+budget backend's settle, idempotent per request id) before it commits, so a prepaid balance and the spend
+limits see it at once, as a request's settle does, and a snapshot read meanwhile does not count it twice.
 
 A sample an hour, not an integral: bytes stored and deleted within one hour between samples are not
 charged, and an hour no ingress ran after (the platform was down) is not charged later.
 """
 
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
+import anyio.from_thread
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from billing.models import Tenant, TenantStatus, Tier, utcnow
+from billing.models import STORAGE_MODEL, Tenant, TenantStatus, Tier, utcnow
 from billing.repository import stored_bytes_by_tenant
-from billing.usage import UsageRecord, hour_of, record_usage
+from billing.usage import UsageRecord, hour_of, record_new_usage
 
-MODEL = "storage"  # the usage rows' model and base model
+log = logging.getLogger(__name__)
+# What a charge is spent through: (tenant id, request id, cost) -> the live budget's settle.
+Spend = Callable[[str, str, Decimal], Awaitable[None]]
+
+MODEL = STORAGE_MODEL  # the usage rows' model and base model
 GB = 10**9
 MICRO = Decimal("0.000001")
 
@@ -34,8 +42,12 @@ def storage_request_id(tenant_id: str, hour: datetime) -> str:
 
 
 class StorageBilling:
-    def __init__(self, sessions: Callable[[], Session]) -> None:
+    def __init__(self, sessions: Callable[[], Session], spend: Spend | None = None) -> None:
+        """`spend`: where a new charge is settled in the live budget; it is called from the charging
+        thread through anyio, so `charge` then runs in a worker thread of the event loop
+        (run_in_threadpool)."""
         self.sessions = sessions
+        self.spend = spend
         # The last hour this instance charged: the timer's later rounds in that hour need no queries (another
         # replica's charge of it is found by the insert-or-ignore).
         self._charged: datetime | None = None
@@ -62,9 +74,20 @@ class StorageBilling:
                 )
                 if cost > 0:
                     records.append(_record(tenant_id, hour, cost, currency))
-            new = record_usage(s, records)
+            new = record_new_usage(s, records)
+            if self.spend is not None:
+                for record in records:
+                    if record.request_id in new:
+                        anyio.from_thread.run(self._spend, record)
         self._charged = hour
-        return new
+        return len(new)
+
+    async def _spend(self, record: UsageRecord) -> None:
+        assert self.spend is not None and record.cost is not None
+        try:
+            await self.spend(record.tenant_id, record.request_id, Decimal(record.cost))
+        except Exception as error:  # the backend is away: its state reloads from the ledger, row included
+            log.warning("spending %s in the live budget failed: %s", record.request_id, error)
 
 
 def _record(tenant_id: str, hour: datetime, cost: Decimal, currency: str) -> UsageRecord:

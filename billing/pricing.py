@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session
 
 from billing import repository
 from billing.micros import from_micros
-from billing.models import BASE_ADAPTER_KEY, Adapter, PriceChange, Tenant, Tier, UsageRollup
+from billing.models import BASE_ADAPTER_KEY, STORAGE_MODEL, Adapter, PriceChange, Tenant, Tier, UsageRollup
 
 MONEY_DECIMALS = 6
 MONEY_STEP = Decimal(1).scaleb(-MONEY_DECIMALS)  # 0.000001
@@ -77,6 +77,7 @@ class Prices:
     cached_input_per_mtok: Decimal
     output_per_mtok: Decimal
     gpu_per_second: Decimal
+    storage_per_gb_day: Decimal = Decimal(0)  # a tier's (app.storage_billing); no price history has it
 
     def times(self, factor: Decimal) -> "Prices":
         """These prices multiplied by `factor` (a tier's batch price factor)."""
@@ -108,6 +109,7 @@ class BillLine:
     cached_input_cost: Decimal
     output_cost: Decimal
     gpu_cost: Decimal
+    storage_cost: Decimal  # the hourly storage charges: the whole of a `storage` line, no other's
     adjustment: Decimal  # total less the parts: what settlement's own roundings and prices made of it
     total: Decimal  # what was settled and exported: its rollups' cost_micros
 
@@ -123,6 +125,7 @@ class BillTotals:
     cached_input_cost: Decimal
     output_cost: Decimal
     gpu_cost: Decimal
+    storage_cost: Decimal
     adjustment: Decimal
     total: Decimal
 
@@ -192,6 +195,7 @@ def tier_prices(tier: Tier) -> Prices:
         cached_input_per_mtok=Decimal(tier.price_cached_input_per_mtok),
         output_per_mtok=Decimal(tier.price_output_per_mtok),
         gpu_per_second=Decimal(tier.price_gpu_per_second),
+        storage_per_gb_day=Decimal(tier.price_storage_per_gb_day),
     )
 
 
@@ -336,6 +340,7 @@ def _line(key: tuple[str, str, str], names: dict[str, str], sums: _Sums) -> Bill
     base_model, adapter_key, currency = key
     adapter_id = None if adapter_key == BASE_ADAPTER_KEY else adapter_key
     parts = sums.parts
+    storage = _sum([sums.settled]) if base_model == STORAGE_MODEL else ZERO
     return BillLine(
         base_model=base_model,
         adapter_id=adapter_id,
@@ -350,7 +355,8 @@ def _line(key: tuple[str, str, str], names: dict[str, str], sums: _Sums) -> Bill
         cached_input_cost=parts[1],
         output_cost=parts[2],
         gpu_cost=parts[3],
-        adjustment=_sum([sums.settled, -_sum(parts)]),
+        storage_cost=storage,
+        adjustment=_sum([sums.settled, -_sum(parts), -storage]),
         total=_sum([sums.settled]),
     )
 
@@ -366,6 +372,7 @@ def _totals(lines: list[BillLine]) -> BillTotals:
         cached_input_cost=_sum(line.cached_input_cost for line in lines),
         output_cost=_sum(line.output_cost for line in lines),
         gpu_cost=_sum(line.gpu_cost for line in lines),
+        storage_cost=_sum(line.storage_cost for line in lines),
         adjustment=_sum(line.adjustment for line in lines),
         total=_sum(line.total for line in lines),
     )

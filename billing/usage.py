@@ -12,12 +12,12 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from billing.micros import MICROS, to_micros
-from billing.models import BASE_ADAPTER_KEY, UsageEvent, UsageRollup, utcnow
+from billing.models import BASE_ADAPTER_KEY, STORAGE_MODEL, UsageEvent, UsageRollup, utcnow
 from billing.price_book import PriceHistory
 
 
@@ -51,8 +51,14 @@ class UsageRecord:
 
 def record_usage(session: Session, records: list[UsageRecord]) -> int:
     """Insert what is new; a request id already recorded is ignored. Returns how many rows were new."""
+    return len(record_new_usage(session, records))
+
+
+def record_new_usage(session: Session, records: list[UsageRecord]) -> set[str]:
+    """Insert what is new, as record_usage does; returns the request ids this call inserted (a racing
+    writer of the same id waits for this transaction on PostgreSQL, then finds it)."""
     if not records:
-        return 0
+        return set()
     rows = [
         {**asdict(r), "cost": None if r.cost is None else Decimal(r.cost), "recorded_at": utcnow()}
         for r in records
@@ -65,7 +71,7 @@ def record_usage(session: Session, records: list[UsageRecord]) -> int:
     statement = insert_(UsageEvent).on_conflict_do_nothing(index_elements=["request_id"])
     # executemany: SQLAlchemy batches it into multi-row INSERTs itself ("insertmanyvalues"), far cheaper
     # than compiling one statement with every value inlined.
-    return len(session.execute(statement.returning(UsageEvent.request_id), rows).all())
+    return set(session.scalars(statement.returning(UsageEvent.request_id), rows).all())
 
 
 def hour_of(moment: datetime) -> datetime:
@@ -152,7 +158,7 @@ def _settled_sums(session: Session, first: datetime, last: datetime) -> dict[Rol
     query = (
         select(
             *keys,
-            func.count(),
+            requests_count(),
             func.sum(UsageEvent.prompt_tokens),
             func.sum(UsageEvent.cached_tokens),
             func.sum(UsageEvent.completion_tokens),
@@ -194,6 +200,11 @@ def _unpriced_sums(session: Session, first: datetime, last: datetime) -> dict[Ro
                   to_micros(cost))
         )  # fmt: skip
     return sums
+
+
+def requests_count() -> ColumnElement[int]:
+    """How many of the grouped usage rows are requests: an hour's storage charge is a row, not a request."""
+    return func.count(case((UsageEvent.base_model != STORAGE_MODEL, 1)))
 
 
 def hour_expression(session: Session) -> ColumnElement[Any]:

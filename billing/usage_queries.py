@@ -22,7 +22,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from billing.models import BASE_ADAPTER_KEY, UsageEvent
 from billing.pricing import adapter_names
-from billing.usage import as_hour, hour_expression
+from billing.usage import as_hour, hour_expression, requests_count
 
 GroupBy = Literal["hour", "adapter", "model", "batch"]
 GROUP_BY_VALUES: tuple[str, ...] = get_args(GroupBy)
@@ -70,7 +70,7 @@ def usage(
     query = (
         select(
             *keys,
-            func.count().label("requests"),
+            requests_count().label("requests"),
             func.coalesce(func.sum(UsageEvent.prompt_tokens), 0).label("prompt_tokens"),
             func.coalesce(func.sum(UsageEvent.cached_tokens), 0).label("cached_tokens"),
             func.coalesce(func.sum(UsageEvent.completion_tokens), 0).label("completion_tokens"),

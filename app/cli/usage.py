@@ -175,7 +175,8 @@ def _print_bill(bill: JSON) -> None:
     console.print(
         f"Input {totals.get('input_cost')}, cached input {totals.get('cached_input_cost')}, "
         f"output {totals.get('output_cost')}, GPU {totals.get('gpu_cost')}, "
-        f"adjustment {totals.get('adjustment')} (as settled; later prices do not change it)",
+        f"storage {totals.get('storage_cost')}, adjustment {totals.get('adjustment')} "
+        "(as settled; later prices do not change it)",
         markup=False,
     )
     console.print(f"Total: {totals.get('total')} {currency}", markup=False)

@@ -74,6 +74,10 @@ class PricesOut(BaseModel):
     cached_input_per_mtok: DecimalString
     output_per_mtok: DecimalString
     gpu_per_second: DecimalString
+    storage_per_gb_day: DecimalString = Field(
+        description="Per GB (10^9 bytes) of stored responses and files a day, charged hourly (base model "
+        "`storage`)."
+    )
 
 
 class BillLineOut(BaseModel):
@@ -92,8 +96,11 @@ class BillLineOut(BaseModel):
     cached_input_cost: DecimalString
     output_cost: DecimalString
     gpu_cost: DecimalString
+    storage_cost: DecimalString = Field(
+        description="The hourly storage charges: the whole total of the `storage` line, 0 on every other."
+    )
     adjustment: DecimalString = Field(
-        description="The total less the four parts: the parts split the settled total at the prices in force "
+        description="The total less the five parts: the parts split the settled total at the prices in force "
         "at each hour's start; each request was rounded, and priced, on its own when it settled."
     )
     total: DecimalString = Field(description="What was settled for it, and exported to Stripe's cost meter.")
@@ -111,6 +118,7 @@ class BillTotalsOut(BaseModel):
     cached_input_cost: DecimalString
     output_cost: DecimalString
     gpu_cost: DecimalString
+    storage_cost: DecimalString
     adjustment: DecimalString
     total: DecimalString
 

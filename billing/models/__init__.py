@@ -25,7 +25,7 @@ from billing.models.tier import LIMIT_FIELDS, Tier
 from billing.models.tenant import Tenant, TenantStatus
 from billing.models.api_key import ApiKey
 from billing.models.adapter import PUBLIC_OWNER, Adapter, AdapterVersion
-from billing.models.usage import BASE_ADAPTER_KEY, UsageEvent, UsageRollup
+from billing.models.usage import BASE_ADAPTER_KEY, STORAGE_MODEL, UsageEvent, UsageRollup
 from billing.models.stripe_export import StripeExport
 from billing.models.engine_report import EngineReport
 from billing.models.stored_response import StoredResponse
@@ -49,6 +49,7 @@ __all__ = [
     "NAMING_CONVENTION",
     "PERIODS",
     "PUBLIC_OWNER",
+    "STORAGE_MODEL",
     "SURFACES",
     "Adapter",
     "AdapterVersion",

@@ -13,6 +13,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 from billing.models.base import Base, UTCDateTime, utcnow
 
 BASE_ADAPTER_KEY = "base"  # a rollup's adapter_key for requests to the base model
+# The base model of the hourly storage charges (app.storage_billing): usage rows that are not requests.
+STORAGE_MODEL = "storage"
 
 
 class UsageEvent(Base):

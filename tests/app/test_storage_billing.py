@@ -11,11 +11,16 @@ import httpx
 from openai import OpenAI
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
+from app.budgets.guard import BudgetGuard
+from app.budgets.local_backend import LocalBudgets
 from app.responses.store import ResponseStore
 from app.settings import ResponsesConfig
 from app.storage_billing import MODEL, StorageBilling, storage_request_id
+from billing import credit
 from billing import repository as repo
+from billing.micros import to_micros
 from billing.models import UsageEvent, utcnow
 from billing.usage import hour_of, rollup_hours
 from tests.app.conftest import Served
@@ -62,7 +67,8 @@ def test_each_tenants_stored_bytes_are_charged_once_an_hour(session_factory: ses
 
 def test_a_tier_priced_through_the_admin_api_charges_an_uploaded_file(served: Served) -> None:
     """The admin prices a tier's storage; its tenant uploads a file with the OpenAI SDK; the hour's charge
-    is in the tenant's own GET /v1/usage (base model `storage`, no tokens) and on its bill at its cost."""
+    is in the tenant's own GET /v1/usage (base model `storage`, no tokens, no request) and on its bill at
+    its cost, as the line's storage part, with the storage price among the bill's prices."""
     name = f"stored-{uuid.uuid4().hex[:8]}"
     with served.admin() as admin:
         tier = admin.post("/admin/tiers", json={"name": name, "price_storage_per_gb_day": "1000"})
@@ -87,7 +93,7 @@ def test_a_tier_priced_through_the_admin_api_charges_an_uploaded_file(served: Se
     )
     assert usage.status_code == 200, usage.text
     (storage,) = [d for d in usage.json()["data"] if d["base_model"] == MODEL]
-    assert (storage["requests"], storage["prompt_tokens"], storage["completion_tokens"]) == (1, 0, 0)
+    assert (storage["requests"], storage["prompt_tokens"], storage["completion_tokens"]) == (0, 0, 0)
     with served.services.session_factory() as s, s.begin():
         rollup_hours(s, start=hour, end=hour + timedelta(hours=1))
     with served.admin() as admin:
@@ -95,4 +101,35 @@ def test_a_tier_priced_through_the_admin_api_charges_an_uploaded_file(served: Se
     assert bill.status_code == 200, bill.text
     (charged,) = [line for line in bill.json()["lines"] if line["base_model"] == MODEL]
     want = (Decimal(uploaded.bytes) * 1000 / 24 / 10**9).quantize(Decimal("0.000001"))
-    assert Decimal(charged["total"]) == want > 0
+    assert Decimal(charged["total"]) == Decimal(charged["storage_cost"]) == want > 0
+    assert Decimal(charged["adjustment"]) == 0 and charged["requests"] == 0
+    assert Decimal(bill.json()["totals"]["storage_cost"]) == want
+    assert Decimal(bill.json()["prices"]["storage_per_gb_day"]) == 1000
+
+
+async def test_an_hours_charge_is_spent_from_a_prepaid_balance_at_once(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """Before, a prepaid tenant's live balance learned of its storage charges only when its budget state
+    was next loaded (a restarted backend): until then it could spend the same money on requests. The run
+    that inserts the charge settles it in the live budget, once, however many replicas run it."""
+    suffix = uuid.uuid4().hex[:8]
+    with session_factory() as s, s.begin():
+        repo.create_tier(s, name=f"prepaid-{suffix}", price_storage_per_gb_day="240")
+        payer = repo.create_tenant(s, name=f"payer-{suffix}", tier=f"prepaid-{suffix}").id
+        credit.add_credit(s, tenant_id=payer, amount="50", kind="topup", reason="t", actor="t")
+    store = ResponseStore(session_factory, ResponsesConfig())
+    bulk = [{"role": "user", "content": "x" * 500_000}]
+    store.save(payer, response_row(f"resp_{payer}"), bulk, bulk)
+    guard = BudgetGuard(LocalBudgets(), session_factory, price_ttl_s=0)
+    before = await guard.view(payer)
+    assert before is not None and before.balance == to_micros(Decimal(50))
+    now = utcnow()
+    replicas = [StorageBilling(session_factory, spend=guard.spend) for _ in range(2)]
+    assert [await run_in_threadpool(r.charge, now) for r in replicas] == [1, 0]
+    with session_factory() as s:
+        cost = s.scalar(select(UsageEvent.cost).where(UsageEvent.tenant_id == payer))
+    assert cost is not None and cost > 0
+    after = await guard.view(payer)
+    assert after is not None and after.balance == to_micros(Decimal(50) - cost)
+    assert after.spent_day == to_micros(cost)

@@ -257,6 +257,7 @@ def test_bill_as_json_with_decimal_strings(admin: httpx.Client, world: World) ->
     assert bill["prices"] == {
         "tier": world.tier["name"], "currency": "eur", "input_per_mtok": "0.150000",
         "cached_input_per_mtok": "0.075000", "output_per_mtok": "0.600000", "gpu_per_second": "0.000123",
+        "storage_per_gb_day": "0.000000",
     }  # fmt: skip
     base, support = bill["lines"]
     # base: 1,234,577 input tokens x 0.15 / 1M = 0.18518655 -> 0.185187 (half even)
@@ -264,7 +265,7 @@ def test_bill_as_json_with_decimal_strings(admin: httpx.Client, world: World) ->
         "base_model": MODEL, "adapter_id": None, "adapter": "base", "currency": "eur", "requests": 2,
         "input_tokens": 1_234_577, "cached_input_tokens": 0, "output_tokens": 0, "gpu_seconds": "0.000000",
         "input_cost": "0.185187", "cached_input_cost": "0.000000", "output_cost": "0.000000",
-        "gpu_cost": "0.000000", "adjustment": "0.000000", "total": "0.185187",
+        "gpu_cost": "0.000000", "storage_cost": "0.000000", "adjustment": "0.000000", "total": "0.185187",
     }  # fmt: skip
     # support: input 60 -> 0.000009; cached 40 -> 0.000003; output 1M x 0.6 = 0.6; 2 s x 0.000123
     assert (support["adapter"], support["adapter_id"], support["gpu_seconds"]) == (
