@@ -73,6 +73,7 @@ BENCHES = {
     "budget_race": {"local", "redis", "naive", "admission"},
     # Issue 37: the Batch API against the same requests sent interactively, and TTFT beside a batch.
     "batch": {"throughput_ratio_batch_vs_interactive", "batch_req_s", "interactive_req_s", "beside_batch"},
+    "batch_claims": {"lines", "claim_ms", "insert_s"},
     "multi_tenant": {
         "throughput_vs_resident",
         "ttft_p99_vs_resident",

@@ -14,6 +14,7 @@ while its lease is this runner's: one that lapsed and was claimed again is the n
 Blocking: run in a thread.
 """
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -90,8 +91,8 @@ class LineLeases:
             # SQLite a write (failing the lines of exhausted leases) before the count. Each batch's own lock
             # guards its cancel.
             lock_tenants(s, tenant_ids=[batch.tenant_id for batch in batches])
-            for batch in batches:
-                self._fail_exhausted(s, batch.id, now)
+            if batches:
+                self._fail_exhausted(s, [batch.id for batch in batches], now)
             running = self._running_by_tenant(s, now)
             for batch in batches:
                 free = min(
@@ -133,15 +134,17 @@ class LineLeases:
             )
             return {tenant: int(count) for tenant, count in rows.tuples()}
 
-    def _fail_exhausted(self, s: Session, batch_id: str, now: datetime) -> None:
+    def _fail_exhausted(self, s: Session, batch_ids: list[str], now: datetime) -> None:
         """A line whose lease lapsed (its runner stopped) fails rather than runs again when that was its
         `max_lost`-th loss or its `max_attempts`-th claim: a line that takes down its replica does not do
-        so forever, nor as often as the platform's own failures may be retried."""
-        ended = changed(
-            s,
+        so forever, nor as often as the platform's own failures may be retried. One statement for every
+        batch in progress (it was one per batch, per claim), then a count per batch that had such lines."""
+        ended = s.scalars(
             update(BatchLine)
             .where(
-                BatchLine.batch_id == batch_id, BatchLine.state == "running", BatchLine.lease_expires_at < now
+                BatchLine.batch_id.in_(batch_ids),
+                BatchLine.state == "running",
+                BatchLine.lease_expires_at < now,
             )
             .where(
                 or_(
@@ -151,20 +154,31 @@ class LineLeases:
             )
             .values(state="failed", error=LOST, lost=BatchLine.lost + 1, finished_at=now)
             .values(lease_owner=None, lease_expires_at=None)
-            .execution_options(synchronize_session=False),
-        )
-        if ended:
-            s.execute(update(Batch).where(Batch.id == batch_id).values(failed=Batch.failed + ended))
+            .returning(BatchLine.batch_id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        for batch_id, count in Counter(ended).items():
+            s.execute(update(Batch).where(Batch.id == batch_id).values(failed=Batch.failed + count))
 
     def _claim_lines(self, s: Session, batch: Batch, owner: str, free: int, now: datetime) -> list[Claimed]:
+        # Lines whose runner stopped first (few), then queued ones ready to run, read in claim order off
+        # ix_batch_lines_claim: one query over both states would sort every queued line of the batch.
         wanted = list(
             s.scalars(
                 select(BatchLine.line)
-                .where(BatchLine.batch_id == batch.id, _claimable(now))
+                .where(BatchLine.batch_id == batch.id, _lapsed(now))
                 .order_by(*CLAIM_ORDER)
                 .limit(free)
             )
         )
+        if len(wanted) < free:
+            ready = or_(BatchLine.lease_expires_at.is_(None), BatchLine.lease_expires_at <= now)
+            wanted += s.scalars(
+                select(BatchLine.line)
+                .where(BatchLine.batch_id == batch.id, BatchLine.state == "queued", ready)
+                .order_by(*CLAIM_ORDER)
+                .limit(free - len(wanted))
+            )
         if not wanted:
             return []
         s.execute(

@@ -27,10 +27,11 @@ class BatchLine(Base):
     __table_args__ = (
         CheckConstraint("state IN ('queued', 'running', 'done', 'failed')", name="state"),  # LINE_STATES
         UniqueConstraint("batch_id", "custom_id", name="uq_batch_lines_custom_id"),
-        # Claims (queued lines, and running ones whose lease ran out) and counts, per batch in progress.
-        # No more indexes: each costs a 50,000-line batch's creation time (request_id is unique by
-        # construction: a hash of the batch id and the unique custom_id).
-        Index("ix_batch_lines_batch_state", "batch_id", "state"),
+        # Claims (a batch's queued lines in claim order, read off the index; running ones whose lease ran
+        # out) and counts per batch and state (its prefix). No more indexes: each costs a 50,000-line
+        # batch's creation time (request_id is unique by construction: a hash of the batch id and the
+        # unique custom_id).
+        Index("ix_batch_lines_claim", "batch_id", "state", "model", "prefix", "line"),
     )
 
     batch_id: Mapped[str] = mapped_column(String(64), ForeignKey("batches.id"), primary_key=True)
