@@ -17,8 +17,12 @@ second is per round, summarised by its median (goal: >= 1.0).
 
 With `--ttft`: an interactive streaming load (`--ttft-users` users, each sending `--ttft-requests`
 requests one after another, cold adapters among them) runs alone and beside a running batch, in turns;
-its TTFT p99 and inter-token p99 beside/alone (goal: <= 1.2) and the batch lines done meanwhile.
-Run:  python -m bench.batch [--requests 1000 --adapters 8 --prefixes 4] [--ttft] [--serve] [--tiny]
+its TTFT p99 and inter-token p99 beside/alone (goal: <= 1.2) and the batch lines done meanwhile. With
+`--batch-policies none:0,0.1:2` (in process), one "beside" peer per setting of the engine's
+`batch_step_slack:batch_interactive_window_s`, set between runs, all interleaved round by round with the
+"alone" peer.
+Run:  python -m bench.batch [--requests 1000 --adapters 8 --prefixes 4] [--ttft [--batch-policies ...]]
+      [--serve] [--tiny]
 The last line is one JSON object.
 """
 
@@ -91,6 +95,8 @@ class Platform:
     key: str
     adapters: list[str]
     sessions: Callable[[], Session]  # the platform's database: the engine's own queue and TTFT per request
+    # Sets the engine's batch policy between runs (in process only; None: the configured one only).
+    set_policy: Callable[["Policy"], None] | None = None
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -169,10 +175,45 @@ def platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
                 for name, path in adapters.items():
                     reply = post_adapter(admin, name, tenant["id"], path, base_model=MODEL)
                     assert reply.status_code == 201, reply.text
-            yield Platform(server.url, key, list(adapters), services.session_factory)
+            yield Platform(server.url, key, list(adapters), services.session_factory, _policy_setter(engine))
     finally:
         watcher.stop()
         engine.shutdown()
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The engine's batch-class settings a "beside" peer runs under."""
+
+    slack: float | None  # batch_step_slack
+    window_s: float  # batch_interactive_window_s
+
+    @property
+    def label(self) -> str:
+        slack = "none" if self.slack is None else f"{self.slack:g}"
+        return f"slack={slack},window={self.window_s:g}"
+
+    @staticmethod
+    def parse(text: str) -> "Policy":
+        slack, _, window = text.partition(":")
+        default_window = EngineConfig.model_fields["batch_interactive_window_s"].default
+        return Policy(None if slack.strip() == "none" else float(slack), float(window or default_window))
+
+    @staticmethod
+    def configured() -> "Policy":
+        fields = EngineConfig.model_fields
+        return Policy(fields["batch_step_slack"].default, fields["batch_interactive_window_s"].default)
+
+
+def _policy_setter(engine: AsyncEngine) -> Callable[[Policy], None]:
+    def set_policy(policy: Policy) -> None:
+        def change(llm: Any) -> None:
+            llm.scheduler.batch_step_slack = policy.slack
+            llm.scheduler.batch_interactive_window_s = policy.window_s
+
+        engine.run_on_loop(change).result(timeout=60)
+
+    return set_policy
 
 
 def workload(args: argparse.Namespace, adapters: list[str], seed: int, tag: str) -> list[dict[str, Any]]:
@@ -347,48 +388,76 @@ async def measure(args: argparse.Namespace, p: Platform) -> dict[str, Any]:
 
 
 async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Platform) -> dict[str, Any]:
-    """The streaming user load alone and beside a running batch, in turns; the batch is cancelled after."""
+    """The streaming user load alone and beside a running batch, in turns; the batch is cancelled after.
+    With several `--batch-policies` (in process: set on the engine between runs), one "beside" peer per
+    policy, all interleaved with the "alone" peer round by round; the top-level figures are the last
+    policy's."""
+    policies: list[Policy] = args.batch_policies
+    labels = [policy.label for policy in policies]
     alone: list[dict[str, float]] = []
-    beside: list[dict[str, float]] = []
-    ids: dict[str, list[str]] = {"alone": [], "beside": []}
-    progressed: list[int] = []
+    beside: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    ids: dict[str, list[str]] = {"alone": [], **{label: [] for label in labels}}
+    progressed: dict[str, list[int]] = {label: [] for label in labels}
+    peers: list[Policy | str] = ["alone", *policies]
     for r in range(args.repeats):
         bodies = workload(args, p.adapters, 100 + r, f"u{r}-")[: args.ttft_requests]
-        for with_batch in (r % 2 == 0, r % 2 == 1):
-            if not with_batch:
+        for turn, peer in enumerate(peers[r % len(peers) :] + peers[: r % len(peers)]):
+            tail = f" {chr(ord('a') + turn)}"  # a prompt no earlier peer of the round sent
+            if peer == "alone":
                 seen, sent = await user_load(
-                    http, args, [{**b, "prompt": b["prompt"] + " a"} for b in bodies]
+                    http, args, [{**b, "prompt": b["prompt"] + tail} for b in bodies]
                 )
                 alone.append(seen)
                 ids["alone"] += sent
                 continue
-            batch_id = await start_batch(http, workload(args, p.adapters, 200 + r, f"bb{r}-"))
+            assert isinstance(peer, Policy)
+            label = peer.label
+            if p.set_policy is not None:
+                await asyncio.to_thread(p.set_policy, peer)
+            batch_id = await start_batch(http, workload(args, p.adapters, 200 + r, f"bb{r}t{turn}-"))
             started = await wait_batch(http, batch_id, lambda s: s["request_counts"]["completed"] > 0)
             before = started["request_counts"]["completed"]  # the runner has lines in the engine
-            seen, sent = await user_load(http, args, [{**b, "prompt": b["prompt"] + " b"} for b in bodies])
-            beside.append(seen)
-            ids["beside"] += sent
+            seen, sent = await user_load(http, args, [{**b, "prompt": b["prompt"] + tail} for b in bodies])
+            beside[label].append(seen)
+            ids[label] += sent
             state = await batch_state(http, batch_id)
-            progressed.append(state["request_counts"]["completed"] - before)
+            progressed[label].append(state["request_counts"]["completed"] - before)
             await http.post(f"/v1/batches/{batch_id}/cancel")
             await wait_batch(http, batch_id, lambda s: s["status"] in FINAL)
-    ratios = {
-        key: spread([b[key] / a[key] for a, b in zip(alone, beside, strict=True) if a[key]])
-        for key in ("ttft_p99", "itl_p99")
-    }
+    by_policy: dict[str, Any] = {}
+    for label in labels:
+        ratios = {
+            key: spread([b[key] / a[key] for a, b in zip(alone, beside[label], strict=True) if a[key]])
+            for key in ("ttft_p99", "itl_p99")
+        }
+        by_policy[label] = {
+            "ttft_p99_ratio": ratios["ttft_p99"]["median"],
+            "itl_p99_ratio": ratios["itl_p99"]["median"],
+            "ratios": ratios,
+            "beside_ttft_p99_s": spread([b["ttft_p99"] for b in beside[label]]),
+            "batch_lines_done_meanwhile": progressed[label],
+            "engine_side": await asyncio.to_thread(engine_side, p.sessions, ids[label]),
+        }
+    last = by_policy[labels[-1]]
     return {
-        "ttft_p99_ratio": ratios["ttft_p99"]["median"],
-        "itl_p99_ratio": ratios["itl_p99"]["median"],
-        "ratios": ratios,
+        "ttft_p99_ratio": last["ttft_p99_ratio"],
+        "itl_p99_ratio": last["itl_p99_ratio"],
+        "ratios": last["ratios"],
         "alone_ttft_p99_s": spread([a["ttft_p99"] for a in alone]),
-        "beside_ttft_p99_s": spread([b["ttft_p99"] for b in beside]),
-        "batch_lines_done_meanwhile": progressed,
+        "beside_ttft_p99_s": last["beside_ttft_p99_s"],
+        "batch_lines_done_meanwhile": last["batch_lines_done_meanwhile"],
         "engine_side": {  # every round's requests together
-            kind: await asyncio.to_thread(engine_side, p.sessions, sent) for kind, sent in ids.items()
+            "alone": await asyncio.to_thread(engine_side, p.sessions, ids["alone"]),
+            "beside": last["engine_side"],
         },
+        "by_policy": by_policy,
         "users": args.ttft_users,
         "requests": args.ttft_requests,
     }
+
+
+def _policies(text: str) -> list[Policy]:
+    return [Policy.parse(part) for part in text.split(",")]
 
 
 def main() -> None:
@@ -407,6 +476,12 @@ def main() -> None:
         "--batch-step-tokens", type=int, default=EngineConfig.model_fields["batch_step_tokens"].default,
         help="the engine's batch_step_tokens: the batch class's tokens a step beside interactive work",
     )  # fmt: skip
+    parser.add_argument(
+        "--batch-policies", type=_policies, default=None,
+        help="comma-separated SLACK:WINDOW settings of batch_step_slack ('none': the count alone) and "
+        "batch_interactive_window_s, one 'beside' peer each, interleaved (in process); default: the "
+        "engine's own",
+    )  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-blocks", type=int, default=2048)
     parser.add_argument("--slots", type=int, default=4, help="max_loras: fewer than adapters, so loads count")
@@ -423,6 +498,8 @@ def main() -> None:
         "--tiny", action="store_true", help="the tiny model, 24 requests, once: checks it runs"
     )
     args = parser.parse_args()
+    if args.batch_policies is None or args.serve:  # a Serve replica's engine keeps its configuration
+        args.batch_policies = [Policy.configured()]
     if args.tiny:
         args.preset, args.requests, args.adapters, args.prefixes, args.repeats = "tiny", 24, 3, 2, 1
         args.prefix_words, args.max_tokens, args.ttft, args.ttft_requests, args.slots = 12, 4, True, 8, 2
@@ -434,7 +511,9 @@ def main() -> None:
         requests=args.requests, adapters=args.adapters, prefixes=args.prefixes,
         prefix_words=args.prefix_words, max_tokens=args.max_tokens, rounds=args.repeats,
         in_flight_per_tenant=args.in_flight, max_num_seqs=args.max_num_seqs, slots=args.slots,
-        batch_step_tokens=args.batch_step_tokens, mode="serve" if args.serve else "in_process",
+        batch_step_tokens=args.batch_step_tokens,
+        batch_policies=[policy.label for policy in args.batch_policies],
+        mode="serve" if args.serve else "in_process",
         model=args.preset, machine=machine(),
     )  # fmt: skip
     print(json.dumps(result))

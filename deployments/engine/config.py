@@ -174,9 +174,32 @@ class EngineConfig(BaseModel):
         ge=1,
         description=(
             "Tokens of the batch class (Batch API lines) one step may compute while interactive sequences "
-            "run or wait: decode rows and prefill chunks alike, so a batch beside live traffic adds a "
-            "bounded amount to each step (interactive latency) and still progresses. Without interactive "
-            "work the batch class gets the whole step (max_num_batched_tokens)."
+            "run or wait (or did within batch_interactive_window_s): decode rows and prefill chunks alike, "
+            "so a batch beside live traffic adds a bounded amount to each step (interactive latency) and "
+            "still progresses. Without interactive work the batch class gets the whole step "
+            "(max_num_batched_tokens)."
+        ),
+    )
+    batch_step_slack: float | None = Field(
+        default=0.1,
+        ge=0,
+        description=(
+            "Beside interactive work, the batch class's tokens in a step are also bounded by time: at most "
+            "what keeps the step within 1 + this of the time of its interactive tokens alone, by the "
+            "replica's own fit of its step time against tokens (a CPU, where each token costs nearly in "
+            "proportion, gives little; a GPU's memory-bound decode gives up to batch_step_tokens); at least "
+            "one token a step, so a batch always progresses. null: batch_step_tokens alone."
+        ),
+    )
+    batch_interactive_window_s: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "For this long after an interactive sequence last ran or waited, steps with only batch-class "
+            "work are bounded as beside interactive work (batch_step_tokens, batch_step_slack), so an "
+            "interactive request arriving between others waits for a short step, not a whole step of batch "
+            "prefill. An idle replica's batch takes whole steps (max_num_batched_tokens). 0: whole steps "
+            "whenever no interactive sequence runs or waits."
         ),
     )
     adapter_wait_bound_s: float = Field(

@@ -117,6 +117,8 @@ def build_engine_parts(
         scheduling=config.scheduling,
         fair_wait_bound_s=config.fair_wait_bound_s,
         batch_step_tokens=config.batch_step_tokens,
+        batch_step_slack=config.batch_step_slack,
+        batch_interactive_window_s=config.batch_interactive_window_s,
     )
     runner = _model_runner(config, m, kv_cache, plan.max_model_len)
     sampler = Sampler(plan.vocab_size, m.device, seed=config.seed)

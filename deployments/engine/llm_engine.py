@@ -211,6 +211,7 @@ class LLMEngine:
             m.step_host_time = 0.0
             if seq.num_computed < len(seq.prompt_ids):  # num_computed has not moved yet
                 prefill += min(seq.num_computed + s.num_tokens, len(seq.prompt_ids)) - seq.num_computed
+        self.scheduler.step_cost.observe(total, elapsed)
         self.counters.prefill_tokens += prefill
         self.counters.busy_seconds += elapsed
         self.counters.steps += 1

@@ -18,6 +18,7 @@ When KV blocks run out, the newest running sequences are preempted (their blocks
 from the prefix cache), and they go back to the front of the queue (and of their tenant's) so nobody starves.
 """
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -34,6 +35,7 @@ from deployments.engine.errors import RequestFailed
 from deployments.engine.logprobs import prompt_positions
 from deployments.engine.outputs import FinishReason
 from deployments.engine.sequence import ScheduledSequence, Sequence, SequenceStatus
+from deployments.engine.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ class Scheduler:
         scheduling: Scheduling = "fair",
         fair_wait_bound_s: float = 0.0,
         batch_step_tokens: int | None = None,
+        batch_step_slack: float | None = None,
+        batch_interactive_window_s: float = 0.0,
     ) -> None:
         self.blocks = blocks
         self.adapters = adapters
@@ -92,6 +96,16 @@ class Scheduler:
         self.batch_preemptions = 0  # batch sequences preempted for a waiting interactive one
         # Batch-class tokens a step may compute beside interactive work (None: no cap), and this step's left.
         self.batch_step_tokens = batch_step_tokens
+        # And within that, what keeps the step within 1 + slack of its interactive work's own time, by this
+        # replica's measure of its steps (None: the count alone). The engine feeds `step_cost`.
+        self.batch_step_slack = batch_step_slack
+        self.step_cost = StepCost()
+        # For this long after interactive work was last in a step's queue, batch-only steps stay as small as
+        # beside it: an interactive arrival waits for the step under way, and a whole step of batch prefill
+        # would be its TTFT's tail.
+        self.batch_interactive_window_s = batch_interactive_window_s
+        self._interactive_seen = float("-inf")
+        self._interactive_adapters: dict[AdapterRef, float] = {}  # adapter -> last seen in interactive work
         self._batch_budget = max_num_batched_tokens
         self._batch_waiting = 0  # waiting sequences of the batch class (kept in step with `waiting`)
         self.waiting: deque[Sequence] = deque()  # arrival order, preempted sequences in front
@@ -211,9 +225,13 @@ class Scheduler:
         later: list[Sequence] = []  # batch prefills, while interactive sequences wait: after admission
         interactive_waits = len(self.waiting) > self._batch_waiting
         beside_interactive = interactive_waits or any(not s.batch for s in self.running)
+        now = time.monotonic()
+        if beside_interactive:
+            self._interactive_seen = now
+        recent = now - self._interactive_seen < self.batch_interactive_window_s
         self._batch_budget = budget
-        if beside_interactive and self.batch_step_tokens is not None:
-            self._batch_budget = self.batch_step_tokens
+        if (beside_interactive or recent) and self.batch_step_tokens is not None:
+            self._batch_budget = self._batch_share(budget, decodes, prefills)
         if interactive_waits and any(s.batch for s in prefills):
             later = [s for s in prefills if s.batch]
             prefills = [s for s in prefills if not s.batch]
@@ -224,6 +242,24 @@ class Scheduler:
             budget, rows = self._continue(seq, budget, rows, out)
         out.scheduled.sort(key=lambda s: s.seq.slot if s.seq.slot >= 0 else self._base_order)
         return out
+
+    def _batch_share(self, budget: int, decodes: list[Sequence], prefills: list[Sequence]) -> int:
+        """The batch class's tokens in a step beside interactive work (or soon after it): at most
+        `batch_step_tokens`, and at most what keeps the step within `1 + batch_step_slack` of the time of the
+        interactive tokens it may hold (running and waiting, within the step's budget; none soon after); at
+        least one, so a batch always progresses."""
+        assert self.batch_step_tokens is not None
+        if self.batch_step_slack is None:
+            return self.batch_step_tokens
+        interactive = sum(1 for s in decodes if not s.batch)
+        interactive += sum(min(s.num_uncomputed, budget) for s in prefills if not s.batch)
+        for seq in self.waiting:
+            if interactive >= budget:
+                break
+            if not seq.batch:
+                interactive += seq.num_uncomputed
+        spare = self.step_cost.spare(min(interactive, budget), self.batch_step_slack)
+        return self.batch_step_tokens if spare is None else max(1, min(self.batch_step_tokens, spare))
 
     def _continue(self, seq: Sequence, budget: int, rows: int, out: SchedulerOutput) -> tuple[int, int]:
         """Schedule a running sequence's next tokens (within the budget and rows left); both as left after."""
@@ -308,9 +344,24 @@ class Scheduler:
             if seq.slot >= 0:
                 left = seq.max_tokens - seq.num_output_tokens
                 remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
-        self.adapters.plan(queued, remaining, order)
+        self.adapters.plan(queued, remaining, order, self._interactive_refs())
         cold = [ref for ref in order if not slots.holds(ref)]  # a draining one waits for its slot to free
         return cold[: max(1, self.adapters.claimable())]
+
+    def _interactive_refs(self) -> frozenset[AdapterRef]:
+        """The adapters interactive sequences run or wait for, or did within batch_interactive_window_s: the
+        batch class never takes their slots."""
+        now = time.monotonic()
+        seen = self._interactive_adapters
+        current = {
+            seq.adapter
+            for seq in itertools.chain(self.running, self.waiting)
+            if not seq.batch and seq.adapter is not None
+        }
+        for ref in [r for r, at in seen.items() if now - at >= self.batch_interactive_window_s]:
+            del seen[ref]
+        seen.update(dict.fromkeys(current, now))
+        return frozenset(seen)
 
     def _newest_batch(self) -> Sequence | None:
         return next((s for s in reversed(self.running) if s.batch), None)
@@ -397,13 +448,19 @@ class Scheduler:
             if seq.batch and self._batch_budget <= 0:
                 continue  # the batch class's share of this step is spent (batch_step_tokens)
             if seq.adapter is not None:
-                # Not its adapter's turn for a slot (nor resident): it waits in the rotation.
-                waits = seq.adapter not in turn and self.adapters.slots.lookup(seq.adapter) is None
+                # Not its adapter's turn for a slot (nor resident): it waits in the rotation. An interactive
+                # one whose adapter's slot drains for the batch class takes it back (AdapterManager.acquire).
+                slots = self.adapters.slots
+                waits = (
+                    seq.adapter not in turn
+                    and slots.lookup(seq.adapter) is None
+                    and (seq.batch or not slots.holds(seq.adapter))
+                )
                 try:
                     if waits:
                         self.adapters.raise_if_failed(seq.adapter)
                         continue
-                    slot = self.adapters.acquire(seq.adapter)
+                    slot = self.adapters.acquire(seq.adapter, batch=seq.batch)
                 except AdapterError as error:  # the adapter failed to load: this request cannot be served
                     log.warning("request %s: adapter %s: %s", seq.group_id, seq.adapter, error)
                     self._refuse(seq, error, out)
@@ -415,7 +472,8 @@ class Scheduler:
                 if slot is None and not seq.batch and not batch_slot_taken:
                     slot = self._take_batch_slot(seq, out)
                     batch_slot_taken = slot is not None
-                if slot is None and not overdue_served and seq.adapter == turn[0] and self._overdue(seq):
+                overdue = turn and seq.adapter == turn[0] and self._overdue(seq)
+                if slot is None and not overdue_served and overdue:
                     slot = self._take_slot(seq, out)
                     overdue_served = slot is not None
                 if slot is None:
@@ -488,7 +546,9 @@ class Scheduler:
         """Free the least wanted busy slot for an overdue request by preempting its running users (they
         requeue at the front and resume from the prefix cache), then give it the slot."""
         assert seq.adapter is not None
-        victim = self.adapters.slot_to_free(seq.adapter, min_age_s=self.adapter_min_residency_s)
+        victim = self.adapters.slot_to_free(
+            seq.adapter, min_age_s=self.adapter_min_residency_s, batch=seq.batch
+        )
         if victim is None:
             return None
         for user in [s for s in self.running if s.slot == victim]:

@@ -11,6 +11,7 @@ import pytest
 
 from deployments.engine.interface import EngineRequest, SamplingParams
 from deployments.engine.llm_engine import LLMEngine
+from deployments.engine.step_cost import StepCost
 from tests.engine.helpers import drain, make_engine, preload
 from tests.model_fixtures import TinySetup
 
@@ -45,6 +46,20 @@ def _stepping(
 
 def _admitted(engine: LLMEngine) -> list[str]:
     return sorted(s.group_id for s in engine.scheduler.running)
+
+
+def _batch_tokens_per_step(engine: LLMEngine) -> list[int]:
+    """A list that the engine's steps fill from now on: the batch-class tokens each step schedules."""
+    batch_tokens: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording() -> Any:
+        out = schedule()
+        batch_tokens.append(sum(s.num_tokens for s in out.scheduled if s.seq.batch))
+        return out
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    return batch_tokens
 
 
 @pytest.mark.parametrize("scheduling", ["fair", "fifo"])
@@ -142,15 +157,7 @@ def test_beside_interactive_work_a_step_computes_at_most_batch_step_tokens_of_th
     reference.close()
 
     engine = make_engine(llama, max_num_seqs=8, batch_step_tokens=3)
-    batch_tokens: list[int] = []
-    schedule = engine.scheduler.schedule
-
-    def recording() -> Any:
-        out = schedule()
-        batch_tokens.append(sum(s.num_tokens for s in out.scheduled if s.seq.batch))
-        return out
-
-    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    batch_tokens = _batch_tokens_per_step(engine)
     outputs, step = _stepping(engine, batch)
     step()
     assert batch_tokens[-1] == 4 * 8  # alone: every prompt whole in the first step
@@ -166,6 +173,62 @@ def test_beside_interactive_work_a_step_computes_at_most_batch_step_tokens_of_th
     for r in batch:
         assert _tokens(outputs[r.request_id]) == _tokens(alone[r.request_id])
     assert len(_tokens(outputs["i0"])) == 30
+
+
+class _KnownCost(StepCost):
+    """A step cost as a replica would have fitted it, fixed here: `fixed` s + `per_token` s a token."""
+
+    def __init__(self, fixed: float, per_token: float) -> None:
+        super().__init__()
+        self.known = (fixed, per_token)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def fit(self) -> tuple[float, float] | None:
+        return self.known
+
+
+@pytest.mark.parametrize(
+    ("cost", "most"),
+    [
+        # A CPU-like cost: a token costs as much as the fixed part, so 10% of a step of a few interactive
+        # tokens is under one token: the floor of one a step, still progressing.
+        ((0.001, 0.001), 1),
+        # A GPU-like decode: the fixed part is 200 tokens' worth, so the count (3 of the 4 rows) binds.
+        ((0.002, 0.00001), 3),
+    ],
+)
+def test_beside_interactive_work_the_batch_class_adds_at_most_its_slack_of_the_steps_time(
+    llama: TinySetup, cost: tuple[float, float], most: int
+) -> None:
+    """`batch_step_slack`: beside interactive work the batch class's tokens a step are also bounded by the
+    time they add, by the replica's fit of its step time (here given); at least one a step, at most
+    `batch_step_tokens`; outputs unchanged."""
+    batch = [_request(f"b{i}", "offline", "batch", max_tokens=10) for i in range(4)]
+    reference = make_engine(llama, max_num_seqs=8)
+    for r in batch:
+        reference.add_request(replace(r, priority="interactive"))
+    alone = drain(reference)
+    reference.close()
+
+    engine = make_engine(llama, max_num_seqs=8, batch_step_tokens=3, batch_step_slack=0.1)
+    engine.scheduler.step_cost = _KnownCost(*cost)
+    batch_tokens = _batch_tokens_per_step(engine)
+    outputs, step = _stepping(engine, batch)
+    step()
+    engine.add_request(_request("i0", "live", "interactive", max_tokens=40))
+    beside: list[int] = []  # batch tokens of each step with both classes in it
+    while engine.has_unfinished():
+        queued = engine.scheduler.running + list(engine.scheduler.waiting)
+        both = any(not s.batch for s in queued) and any(s.batch for s in queued)
+        step()
+        if both:
+            beside.append(batch_tokens[-1])
+    engine.close()
+    assert beside and max(beside) == most and min(beside) >= 1  # bounded, and progressing
+    for r in batch:
+        assert _tokens(outputs[r.request_id]) == _tokens(alone[r.request_id])
 
 
 def test_an_interactive_request_takes_a_slot_only_batch_sequences_use_at_once(llama: TinySetup) -> None:
@@ -205,3 +268,87 @@ def test_an_interactive_request_takes_a_slot_only_batch_sequences_use_at_once(ll
 def test_the_priority_class_is_checked() -> None:
     with pytest.raises(ValueError, match="priority"):
         _request("x", "t", "urgent")
+
+
+def _first_batch_step_after_interactive_work(llama: TinySetup, window_s: float) -> int:
+    engine = make_engine(llama, max_num_seqs=8, batch_step_tokens=3, batch_step_slack=None,
+                         batch_interactive_window_s=window_s)  # fmt: skip
+    engine.add_request(_request("i0", "live", "interactive", max_tokens=2))
+    drain(engine)
+    batch_tokens = _batch_tokens_per_step(engine)
+    _, step = _stepping(engine, [_request(f"b{i}", "offline", "batch") for i in range(4)])
+    step()
+    drain(engine)
+    engine.close()
+    return batch_tokens[0]
+
+
+def test_soon_after_interactive_work_a_batch_only_step_stays_small(llama: TinySetup) -> None:
+    """`batch_interactive_window_s`: an interactive request arriving between others waits for the step under
+    way, so for a while after interactive work a step of batch work alone is as small as beside it (the
+    bench found a 156 ms step of 400 batch prompt tokens ahead of such a request); past the window, or
+    with none, the batch class takes the whole step again."""
+    assert _first_batch_step_after_interactive_work(llama, window_s=60.0) == 3
+    assert _first_batch_step_after_interactive_work(llama, window_s=0.0) == 4 * 8
+
+
+def _batch_beside_an_interactive_adapter(llama: TinySetup, window_s: float) -> tuple[bool, int]:
+    """One slot for adapter A, used by an interactive request that has ended, one free; batch requests on
+    B and C. Whether A was still resident once C ran, and the slot loads A's next request cost."""
+    a, b, c = llama.refs["demo-sql"], llama.refs["demo-poet"], llama.refs["demo-chef"]
+    engine = make_engine(llama, max_loras=2, max_num_seqs=8, adapter_min_residency_s=0,
+                         batch_interactive_window_s=window_s)  # fmt: skip
+    preload(engine, llama)
+    engine.add_request(replace(_request("i0", "live", "interactive"), adapter=a))
+    drain(engine)
+    engine.add_request(replace(_request("b-b", "offline", "batch"), adapter=b))
+    engine.add_request(replace(_request("b-c", "offline", "batch"), adapter=c))
+    a_kept = True
+    while engine.has_unfinished():
+        engine.step()
+        if any(s.adapter == c for s in engine.scheduler.running):
+            a_kept = a_kept and engine.adapters.slots.holds(a)
+    loads = engine.adapters.slots.loads
+    engine.add_request(replace(_request("i1", "live", "interactive"), adapter=a))
+    drain(engine)
+    engine.close()
+    return a_kept, engine.adapters.slots.loads - loads
+
+
+def test_the_batch_class_never_evicts_an_adapter_interactive_work_used_lately(llama: TinySetup) -> None:
+    """Batch lines cycling through adapters evicted the slots of interactive users between their requests,
+    whose next request then waited for a load (and, beside a batch, for a drain). Within the window the
+    batch's C waits for B's slot and A's next request finds A resident; with no window, C takes A's slot."""
+    assert _batch_beside_an_interactive_adapter(llama, window_s=60.0) == (True, 0)
+    kept, loads = _batch_beside_an_interactive_adapter(llama, window_s=0.0)
+    assert not kept and loads == 1
+
+
+def test_an_interactive_request_takes_back_its_adapters_slot_from_a_drain_for_the_batch_class(
+    llama: TinySetup,
+) -> None:
+    """One slot: a batch request decodes on A, and a batch request on B waits, so A's slot drains for B. An
+    interactive request on A then joins A's slot at once (the drain stops) instead of waiting for the batch
+    request to finish and A to be loaded again (or preempting it and loading A again); B's turn comes
+    after."""
+    a, b = llama.refs["demo-sql"], llama.refs["demo-poet"]
+    engine = make_engine(llama, max_loras=1, max_num_seqs=8, adapter_min_residency_s=0,
+                         batch_interactive_window_s=0)  # fmt: skip
+    preload(engine, llama)
+    outputs, step = _stepping(
+        engine, [replace(_request("b-a", "offline", "batch", max_tokens=20), adapter=a)]
+    )
+    step()
+    engine.add_request(replace(_request("b-b", "offline", "batch"), adapter=b))
+    step()
+    assert engine.adapters.slots.draining() == [0]
+    loads = engine.adapters.slots.loads
+    engine.add_request(replace(_request("i-a", "live", "interactive"), adapter=a))
+    step()
+    assert _admitted(engine) == ["b-a", "i-a"] and engine.adapters.slots.draining() == []
+    assert engine.adapters.slots.loads == loads  # A stayed: no load, and the batch request kept its row
+    while engine.has_unfinished():
+        step()
+    engine.close()
+    assert outputs["b-b"][-1].finish_reason is not None and outputs["i-a"][-1].finish_reason is not None
+    assert len(_tokens(outputs["i-a"])) == 6 and len(_tokens(outputs["b-b"])) == 6

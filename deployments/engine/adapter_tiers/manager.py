@@ -11,7 +11,9 @@ cold one while others would do. Several slots may drain at once when several col
 slot whose adapter has requests queued drains only when no other slot is draining and only once it has
 been resident `min_residency_s`, and an idle slot with requests queued is not evicted before that either:
 that keeps the one-drain progress guarantee without thrashing hot adapters, and bounds how fast many
-waiting adapters can trade slots.
+waiting adapters can trade slots. The batch class never takes a slot from interactive work: while the cold
+adapters are wanted by batch sequences only, slots of adapters interactive sequences use (or used lately:
+`plan`'s `interactive`) are neither drained nor evicted for them.
 
 Nothing here that runs on the engine loop thread touches the store: `check` (a version's config, read once
 and cached by AdapterSpecs) runs before a request is queued, on a thread of its own, and weights are read
@@ -79,6 +81,7 @@ class AdapterManager:
         self._remaining: dict[int, int] = {}  # slot -> most tokens one of its users may still generate
         self._cold: set[AdapterRef] = set()  # queued adapters with no slot yet
         self._lookahead: frozenset[AdapterRef] | None = None  # what the CPU tier should hold next (plan)
+        self._interactive: frozenset[AdapterRef] = frozenset()  # adapters interactive work uses (plan)
 
     def check(self, ref: AdapterRef) -> AdapterSpec:
         """Raise a named error if `ref` cannot be served here (missing, unreadable, rank too large,
@@ -112,20 +115,30 @@ class AdapterManager:
             raise AdapterLoadFailed(str(ref), f"its stored config is unreadable: {error!r}") from error
         return AdapterSpec.from_config_dict(config)
 
-    def acquire(self, ref: AdapterRef) -> int | None:
-        """A device slot holding `ref` (its user count raised), or None if the caller must wait."""
+    def acquire(self, ref: AdapterRef, *, batch: bool = False) -> int | None:
+        """A device slot holding `ref` (its user count raised), or None if the caller must wait. For a
+        batch-class caller (`batch`), a slot interactive work uses is not evicted."""
         slot = self.slots.lookup(ref)
         if slot is not None:
             self.slots.acquire(slot)
             return slot
         if self.slots.holds(ref):  # resident but draining: wait until it frees, never load it twice
-            return None
+            if batch or not self._cold.isdisjoint(self._interactive):
+                return None
+            # An interactive request keeps its adapter's slot from a drain for the batch class (every cold
+            # adapter is the batch class's): the drain stops, and the next plan drains another.
+            slot = self.slots.resident()[ref]
+            if not self.slots.stop_draining(slot):
+                return None  # its adapter was removed: the request fails once its weights are gone
+            self.slots.acquire(slot)
+            return slot
         weights = self.cpu.get(ref)  # raises if the load failed
         if weights is None:
             if self._lookahead is None or ref in self._lookahead:
                 self._prefetch(ref)  # beyond the planned lookahead a load would only evict a nearer need
             return None
-        slot = self.slots.claim(ref, score=lambda held: self._demand[held], keep=self._settling)
+        keep = self._settling if not batch else lambda s: self._settling(s) or self._for_interactive(s)
+        slot = self.slots.claim(ref, score=lambda held: self._demand[held], keep=keep)
         if slot is None:
             self._cold.add(ref)
             self._drain()
@@ -149,6 +162,9 @@ class AdapterManager:
         young = time.monotonic() - self.slots.claimed_at[slot] < self.min_residency_s
         return young and self._demand_of(slot) > 0
 
+    def _for_interactive(self, slot: int) -> bool:
+        return self.slots.ref_at(slot) in self._interactive
+
     def claimable(self) -> int:
         """Slots an adapter without one could be loaded into now: free, or idle and not settling."""
         return self.slots.num_free - sum(1 for s in self.slots.idle() if self._settling(s))
@@ -161,12 +177,18 @@ class AdapterManager:
         self.cpu.raise_if_failed(ref)
 
     def plan(
-        self, queued: list[AdapterRef], remaining: dict[int, int], rotation: list[AdapterRef] | None = None
+        self,
+        queued: list[AdapterRef],
+        remaining: dict[int, int],
+        rotation: list[AdapterRef] | None = None,
+        interactive: frozenset[AdapterRef] = frozenset(),
     ) -> None:
         """Before an admission pass: `queued` are the adapters of waiting requests in queue order (repeats
         included), `remaining` the most tokens any running user of each slot may still generate, `rotation`
-        the adapters without a usable slot in the order they get one (None: queue order)."""
+        the adapters without a usable slot in the order they get one (None: queue order), `interactive` the
+        adapters interactive sequences run, wait for, or used lately (the others are the batch class's)."""
         self._demand = Counter(queued)
+        self._interactive = interactive
         self._remaining = remaining
         lookahead: list[AdapterRef] = []  # distinct, rotation then queue order: what the CPU tier holds next
         for ref in dict.fromkeys([*(rotation or []), *self._demand]):  # a Counter keeps first-seen order
@@ -188,32 +210,49 @@ class AdapterManager:
         slots at once): slots no queued request wants and past their minimum residency, the one whose users
         finish soonest first; if none drains then, the least wanted slot past its minimum residency."""
         wanted = min(len(self._cold) - self.claimable(), self.slots.num_slots // 2)
+        # Cold adapters only the batch class wants never drain a slot interactive work uses.
+        spared = self._for_interactive if self._cold.isdisjoint(self._interactive) else lambda s: False
         while self.slots.num_draining < wanted:
-            unwanted = [s for s in self.slots.drainable() if not self._demand_of(s) and not self._settling(s)]
+            unwanted = [
+                s
+                for s in self.slots.drainable()
+                if not self._demand_of(s) and not self._settling(s) and not spared(s)
+            ]
             if not unwanted:
                 break
-            self.slots.start_draining(min(unwanted, key=lambda s: self._remaining.get(s, 0)))
-        busy = [s for s in self.slots.drainable() if not self._settling(s)]
+            # Slots only the batch class uses first: their users are the ones preempted first anyway.
+            self.slots.start_draining(
+                min(unwanted, key=lambda s: (self._for_interactive(s), self._remaining.get(s, 0)))
+            )
+        busy = [s for s in self.slots.drainable() if not self._settling(s) and not spared(s)]
         if self._cold and self.slots.num_draining == 0 and not self.claimable() and busy:
             # Every busy slot has queued requests: drain the least wanted anyway, so nobody starves (the
             # head of the rotation gets it, whether or not a row is free for it yet).
             self.slots.start_draining(
-                min(busy, key=lambda s: (self._demand_of(s), self._remaining.get(s, 0)))
+                min(
+                    busy,
+                    key=lambda s: (self._for_interactive(s), self._demand_of(s), self._remaining.get(s, 0)),
+                )
             )
 
-    def slot_to_free(self, ref: AdapterRef, *, min_age_s: float, among: set[int] | None = None) -> int | None:
+    def slot_to_free(
+        self, ref: AdapterRef, *, min_age_s: float, among: set[int] | None = None, batch: bool = False
+    ) -> int | None:
         """For a request overdue for a slot: the busy slot its users should give up (the least wanted, then
         the fewest users and remaining tokens), marked draining so it frees with its last user. Only slots
         loaded at least `min_age_s` ago qualify, so two adapters trade a slot no faster than that. None if
         `ref`'s weights are not in CPU memory yet (preempting would not help) or no slot qualifies.
-        `among`: only these slots may be chosen."""
+        `among`: only these slots may be chosen; for a batch-class request (`batch`), none interactive work
+        uses."""
         if not self.cpu.is_ready(ref):
             return None
         now = time.monotonic()
         candidates = [
             s
             for s in self.slots.drainable() + self.slots.draining()
-            if now - self.slots.claimed_at[s] >= min_age_s and (among is None or s in among)
+            if now - self.slots.claimed_at[s] >= min_age_s
+            and (among is None or s in among)
+            and not (batch and self._for_interactive(s))
         ]
         if not candidates:
             return None

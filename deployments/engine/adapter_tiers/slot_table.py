@@ -27,6 +27,7 @@ class SlotTable:
         )  # occupied, unused slots; least recently used first
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._draining: set[int] = set()
+        self._removed: set[int] = set()  # draining because their adapter was deleted: never taken back
         self.pinned: set[AdapterRef] = set()
         self.loads = 0
         self.evictions = 0
@@ -103,6 +104,14 @@ class SlotTable:
         assert slot in self.drainable(), f"slot {slot} cannot drain"
         self._draining.add(slot)
 
+    def stop_draining(self, slot: int) -> bool:
+        """Take new users again (an interactive request wants the adapter it holds); False for a slot whose
+        adapter was removed."""
+        if slot in self._removed:
+            return False
+        self._draining.discard(slot)
+        return True
+
     def drain_one(self) -> bool:
         """Mark the busy, unpinned slot with the fewest users as draining (unless one already drains)."""
         if self._draining:
@@ -135,6 +144,7 @@ class SlotTable:
                 self._evict(slot)
             else:
                 self._draining.add(slot)
+                self._removed.add(slot)
         return removed
 
     def resident(self) -> dict[AdapterRef, int]:
@@ -160,4 +170,5 @@ class SlotTable:
         self._ref[slot] = None
         self._idle.pop(slot, None)
         self._draining.discard(slot)
+        self._removed.discard(slot)
         self._free.append(slot)
