@@ -86,7 +86,7 @@ class StorageBilling:
         assert self.spend is not None and record.cost is not None
         try:
             await self.spend(record.tenant_id, record.request_id, Decimal(record.cost))
-        except Exception as error:  # the backend is away: its state reloads from the ledger, row included
+        except Exception as error:  # the backend is away: the row is in the ledger, which its next load reads
             log.warning("spending %s in the live budget failed: %s", record.request_id, error)
 
 
