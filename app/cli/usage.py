@@ -149,7 +149,8 @@ def _print_bill(bill: JSON) -> None:
     console.print(
         f"Current prices per 1M tokens: input {prices.get('input_per_mtok')}, cached input "
         f"{prices.get('cached_input_per_mtok')}, output {prices.get('output_per_mtok')}; "
-        f"per GPU-second: {prices.get('gpu_per_second')}",
+        f"per GPU-second: {prices.get('gpu_per_second')}; "
+        f"per GB-day stored: {prices.get('storage_per_gb_day')}",
         markup=False,
     )
     lines: list[JSON] = bill.get("lines", [])

@@ -103,7 +103,8 @@ def test_usage_bill(cli: Cli, usage_world: dict[str, str]) -> None:
     out = human.stdout
     assert f"Bill for tenant {usage_world['a']} (tier {usage_world['tier']})" in out
     assert "2025-05-01 10:00Z to 2025-05-01 12:00Z, in USD" in out
-    assert "input 0.150000" in out and "output 0.600000" in out
+    assert "input 0.150000" in out and "output 0.600000" in out and "per GB-day stored: 0.000000" in out
+    assert "storage 0.000000, adjustment" in out
     base = next(line for line in out.splitlines() if line.startswith(MODEL) and " base " in line).split()
     assert base == [MODEL, "base", "1,234,567", "0", "0", "0.000000", "0.185185"]
     support = next(line for line in out.splitlines() if " support " in line).split()
