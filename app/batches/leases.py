@@ -59,11 +59,16 @@ def _lapsed(now: datetime) -> ColumnElement[bool]:
     return and_(BatchLine.state == "running", BatchLine.lease_expires_at < now)
 
 
-def _claimable(now: datetime) -> ColumnElement[bool]:
+def _ready(now: datetime) -> ColumnElement[bool]:
     """Queued and not waiting to be retried (a queued line's lease_expires_at is when it may run again,
-    or null), or running under a lease that lapsed."""
-    ready = or_(BatchLine.lease_expires_at.is_(None), BatchLine.lease_expires_at <= now)
-    return or_(and_(BatchLine.state == "queued", ready), _lapsed(now))
+    or null)."""
+    waited = or_(BatchLine.lease_expires_at.is_(None), BatchLine.lease_expires_at <= now)
+    return and_(BatchLine.state == "queued", waited)
+
+
+def _claimable(now: datetime) -> ColumnElement[bool]:
+    """Ready to run, or running under a lease that lapsed."""
+    return or_(_ready(now), _lapsed(now))
 
 
 class LineLeases:
@@ -172,10 +177,9 @@ class LineLeases:
             )
         )
         if len(wanted) < free:
-            ready = or_(BatchLine.lease_expires_at.is_(None), BatchLine.lease_expires_at <= now)
             wanted += s.scalars(
                 select(BatchLine.line)
-                .where(BatchLine.batch_id == batch.id, BatchLine.state == "queued", ready)
+                .where(BatchLine.batch_id == batch.id, _ready(now))
                 .order_by(*CLAIM_ORDER)
                 .limit(free - len(wanted))
             )

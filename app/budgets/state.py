@@ -36,9 +36,8 @@ class _Tenant:
 class BudgetState:
     def __init__(self) -> None:
         self._tenants: dict[str, _Tenant] = {}
-        self._unseen: dict[
-            str, tuple[int, int]
-        ] = {}  # tenant not loaded -> (newest credit version, until ms)
+        # A tenant not loaded -> (the newest credit version noticed for it, until when in ms).
+        self._unseen: dict[str, tuple[int, int]] = {}
 
     @staticmethod
     def now_ms() -> int:
