@@ -199,16 +199,18 @@ def activation_ms(engine: LLMEngine, refs: list[AdapterRef]) -> tuple[float, flo
     """(CPU tier -> slot, disk -> slot) medians, timed on the engine's own loading path."""
     cpu, disk = [], []
     modules = engine.loaded.lora_modules
+    pages = 1
     for ref in refs[:8]:
         engine.adapters.cpu.remove(ref.adapter_id)
         start = time.perf_counter()
         weights = engine.adapters._load(ref)
-        load_adapter_into_slot(modules, 0, weights)
+        pages = engine.adapters.pages_for(ref)
+        load_adapter_into_slot(modules, 0, pages, weights)
         disk.append(time.perf_counter() - start)
         start = time.perf_counter()
-        load_adapter_into_slot(modules, 0, weights)
+        load_adapter_into_slot(modules, 0, pages, weights)
         cpu.append(time.perf_counter() - start)
-    load_adapter_into_slot(modules, 0, None)
+    load_adapter_into_slot(modules, 0, pages, None)
     return statistics.median(cpu) * 1e3, statistics.median(disk) * 1e3
 
 
@@ -235,6 +237,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="overhead rounds per peer (default by mode)")
     parser.add_argument("--only-overhead", action="store_true", help="only the adapters-vs-base part")
     parser.add_argument(
+        "--vs-page-rank",
+        type=int,
+        help="also a second engine whose adapter pages are this wide (e.g. the rank: one page an adapter), "
+        "its decode and prefill with adapters interleaved with the rest (`page_rank_ratio`)",
+    )
+    parser.add_argument(
         "--base-vs-hf",
         action="store_true",
         help="with --only-overhead: also ours-base vs HF generate, end to end",
@@ -252,30 +260,37 @@ def main() -> None:
     )
     names = list(adapter_dirs)
     batch = sizes.batch
-    engine = LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            adapter_store=store_root,
-            dtype=dtype_name,
-            device=args.device,
-            quantization=args.quantization,
-            max_loras=args.adapters,
-            max_lora_rank=args.rank,
-            max_num_seqs=batch,
-            max_num_batched_tokens=2048,
-            kv_cache_memory_mb=1024,
-            enable_prefix_caching=False,
+
+    def bench_engine(page_rank: int | None = None) -> LLMEngine:
+        built = LLMEngine(
+            EngineConfig(
+                model=model_dir,
+                adapter_store=store_root,
+                dtype=dtype_name,
+                device=args.device,
+                quantization=args.quantization,
+                max_loras=args.adapters,
+                max_lora_rank=args.rank,
+                lora_page_rank=page_rank,
+                max_num_seqs=batch,
+                max_num_batched_tokens=2048,
+                kv_cache_memory_mb=1024,
+                enable_prefix_caching=False,
+            )
         )
-    )
-    engine_device = engine.device
-    refs = [engine.adapters.store.latest(name) for name in names]
-    for ref in refs:  # adapters resident in CPU memory, as on a warm replica
-        future = engine.adapters.prefetch(ref)
-        if future is not None:
-            future.result()
+        latest = [built.adapters.store.latest(name) for name in names]
+        for ref in latest:  # adapters resident in CPU memory, as on a warm replica
+            future = built.adapters.prefetch(ref)
+            if future is not None:
+                future.result()
+        run_engine(built, warm, latest)
+        run_engine(built, warm, None)
+        return built
+
     warm = make_requests(batch, num_adapters=args.adapters, prompt_range=(32, 64), out_range=(4, 4), seed=1)
-    run_engine(engine, warm, refs)
-    run_engine(engine, warm, None)
+    engine = bench_engine()
+    refs = [engine.adapters.store.latest(name) for name in names]
+    engine_device = engine.device
 
     # -- overhead: adapters vs base, same engine, same requests, in turns ---------------------------------
     prompts = make_requests(
@@ -299,6 +314,10 @@ def main() -> None:
         "prefill_base": lambda: prefill_tok_s(engine, prompts, None),
         "stream_gb_s": lambda: stream_gb_s(stream),
     }
+    other = bench_engine(args.vs_page_rank) if args.vs_page_rank else None
+    if other is not None:
+        peers["decode_lora_vs_pages"] = lambda: decode_tok_s(other, decode_prompts, refs, steps)
+        peers["prefill_lora_vs_pages"] = lambda: prefill_tok_s(other, prompts, refs)
     for peer in peers.values():  # first use of each shape (oneDNN primitives, KV blocks) stays out of it
         peer()
     overhead = Interleaved(peers, repeats=rounds).run()
@@ -312,6 +331,18 @@ def main() -> None:
     ]
 
     result: dict[str, Any] = {
+        "lora_page_rank": engine.loaded.lora_page_rank,
+        **(
+            {
+                "page_rank_ratio": {  # this engine's pages over --vs-page-rank's, with adapters
+                    "vs_page_rank": args.vs_page_rank,
+                    "decode": overhead.ratio("decode_lora", "decode_lora_vs_pages"),
+                    "prefill": overhead.ratio("prefill_lora", "prefill_lora_vs_pages"),
+                }
+            }
+            if other is not None
+            else {}
+        ),
         "decode_ratio_vs_base": overhead.ratio("decode_lora", "decode_base")["median"],
         "prefill_ratio_vs_base": overhead.ratio("prefill_lora", "prefill_base")["median"],
         "decode_ratio_spread": overhead.ratio("decode_lora", "decode_base"),

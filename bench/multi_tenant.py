@@ -7,6 +7,8 @@ all-resident engine in this run, log-normal prompt and output lengths. Peers:
   ours      max_loras slots (default 16) and a CPU tier smaller than N (default 64): adapters are read
             from the store, cached in CPU memory and written into slots as the scheduler needs them.
   resident  N slots and N CPU entries, every adapter in a slot before the run: no load ever happens.
+  max_rank_slots  (--slots-peer) ours with one page an adapter (lora_page_rank = the largest rank): the same
+            memory in max-rank slots, as before adapter memory was sized by rank.
 Rounds alternate the peers (A B, B A, ...), each round on a fresh trace (so no prefix is cached from the
 previous round); ratios are per round, summarised by median and spread.
 
@@ -117,7 +119,12 @@ def replay(
 
 
 def make_engine(
-    args: argparse.Namespace, model_dir: Any, store_root: Any, slots: int, cpu_slots: int
+    args: argparse.Namespace,
+    model_dir: Any,
+    store_root: Any,
+    slots: int,
+    cpu_slots: int,
+    page_rank: int | None = None,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -127,6 +134,7 @@ def make_engine(
             max_loras=slots,
             max_cpu_loras=cpu_slots,
             max_lora_rank=max(args.ranks),
+            lora_page_rank=page_rank,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_mb=args.kv_cache_mb,
@@ -184,6 +192,10 @@ def main() -> None:
     parser.add_argument("--wait-bound", type=float, default=1.0, help="adapter_wait_bound_s (0: drain only)")
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--page-rank", type=int, help="lora_page_rank of ours (default: the engine's)")
+    parser.add_argument(
+        "--slots-peer", action="store_true", help="also run ours in max-rank slots (one page an adapter)"
+    )
     parser.add_argument("--quick", action="store_true", help="64 adapters, 200 requests, 2 rounds")
     parser.add_argument("--tiny", action="store_true", help="the tiny model, 12 adapters: checks it runs")
     args = parser.parse_args()
@@ -193,6 +205,7 @@ def main() -> None:
         args.preset, args.adapters, args.requests, args.repeats = "tiny", 12, 40, 1
         args.slots, args.cpu_adapters, args.ranks, args.max_num_seqs = 4, 6, "4,8", 8
         args.requests, args.prompt_median, args.output_median = 24, 16, 4
+        args.page_rank, args.slots_peer = 4, True
     args.ranks = [int(r) for r in args.ranks.split(",")]
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cpu_features().native_bf16 or torch.cuda.is_available() else "float32"
@@ -200,7 +213,7 @@ def main() -> None:
     model_dir, store_root, names = ensure_mixed_adapters(
         preset=args.preset, ranks=adapter_ranks(args.adapters, tuple(args.ranks))
     )
-    ours = make_engine(args, model_dir, store_root, args.slots, args.cpu_adapters)
+    ours = make_engine(args, model_dir, store_root, args.slots, args.cpu_adapters, args.page_rank)
     resident = make_engine(args, model_dir, store_root, args.adapters, args.adapters)
     refs = [ours.adapters.store.latest(name) for name in names]
     vocab = ours.loaded.vocab_size
@@ -208,7 +221,12 @@ def main() -> None:
     cap = capacity(resident, refs, vocab, args)
     rate = args.load * cap
 
-    runs: dict[str, list[RunResult]] = {"ours": [], "resident": []}
+    peers = {"ours": ours, "resident": resident}
+    if args.slots_peer:
+        peers["max_rank_slots"] = make_engine(
+            args, model_dir, store_root, args.slots, args.cpu_adapters, max(args.ranks)
+        )
+    runs: dict[str, list[RunResult]] = {name: [] for name in peers}
 
     def peer(name: str, engine: LLMEngine) -> Any:
         def run() -> float:
@@ -220,15 +238,13 @@ def main() -> None:
 
         return run
 
-    Interleaved(
-        {"ours": peer("ours", ours), "resident": peer("resident", resident)}, repeats=args.repeats
-    ).run()
-    ours.close()
-    resident.close()
+    Interleaved({name: peer(name, engine) for name, engine in peers.items()}, repeats=args.repeats).run()
+    for engine in peers.values():
+        engine.close()
 
-    def per_round(field: str) -> dict[str, float]:
+    def per_round(field: str, name: str = "ours") -> dict[str, float]:
         values = [
-            getattr(a, field) / getattr(b, field) for a, b in zip(runs["ours"], runs["resident"], strict=True)
+            getattr(a, field) / getattr(b, field) for a, b in zip(runs[name], runs["resident"], strict=True)
         ]
         return spread(values)
 
@@ -247,7 +263,16 @@ def main() -> None:
         }
 
     throughput, ttft = per_round("throughput"), per_round("ttft_p99")
+    in_slots = (
+        {
+            "max_rank_slots_throughput_vs_resident": per_round("throughput", "max_rank_slots"),
+            "max_rank_slots_ttft_p99_vs_resident": per_round("ttft_p99", "max_rank_slots"),
+        }
+        if args.slots_peer
+        else {}
+    )
     result = {
+        **in_slots,
         "throughput_vs_resident": throughput["median"],
         "throughput_vs_resident_spread": throughput,
         "ttft_p99_vs_resident": ttft["median"],
@@ -267,8 +292,8 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs,
         "adapter_wait_bound_s": args.wait_bound,
         "model": args.preset,
-        "ours": summary("ours"),
-        "resident": summary("resident"),
+        "lora_page_rank": ours.loaded.lora_page_rank,
+        **{name: summary(name) for name in peers},
         "machine": machine(args.dtype),
     }
     print(json.dumps(result))

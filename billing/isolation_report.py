@@ -1,6 +1,6 @@
 """Tenant isolation inside each engine replica, from the figures replicas report (engine_reports.isolation):
 who was served how much, who waits and for how long, what was preempted and why, which adapters queue and
-which ranks are resident. Read by GET /admin/engines."""
+which ranks are resident in how much adapter memory. Read by GET /admin/engines."""
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -30,6 +30,7 @@ class ReplicaIsolation:
     preemptions: dict[str, int] = field(default_factory=dict)
     adapter_queue: dict[str, int] = field(default_factory=dict)
     resident_ranks: dict[str, int] = field(default_factory=dict)
+    adapter_pages: dict[str, int] = field(default_factory=dict)
     adapter_queue_other: int = 0
     adapters_queued: int = 0
     adapter_rotation: list[str] = field(default_factory=list)
@@ -71,6 +72,7 @@ def isolation_report(
                 preemptions=dict(_map(f, "preemptions_by_reason")),
                 adapter_queue=dict(_map(f, "adapter_queue")),
                 resident_ranks=dict(_map(f, "resident_ranks")),
+                adapter_pages={k: v for k, v in _map(f, "adapter_pages").items() if isinstance(v, int)},
                 adapter_queue_other=_int(f, "adapter_queue_other"),
                 adapters_queued=_int(f, "adapters_queued"),
                 adapter_rotation=[r for r in _list(f, "adapter_rotation") if isinstance(r, str)],

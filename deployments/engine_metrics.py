@@ -100,6 +100,11 @@ RESIDENT_BY_RANK = Gauge(
     "Adapter versions in device slots, by LoRA rank (0 once none of that rank is resident).",
     (*TAGS, "rank"),
 )
+ADAPTER_PAGES = Gauge(
+    "loraplex_engine_adapter_pages",
+    "Device adapter memory in pages of lora_page_rank rank units: total, and in use by resident adapters.",
+    (*TAGS, "state"),
+)
 RESIDENT_RANK = Gauge(
     "loraplex_engine_resident_adapter_rank",
     "The LoRA rank of each adapter version in a device slot (0 once it left).",
@@ -158,6 +163,8 @@ class EngineMetrics:
             TENANT_SERVICE.set(service, {**tags, "tenant": tenant})
         ADAPTER_QUEUE_OTHER.set(stats.adapter_queue_other, tags)
         ADAPTERS_QUEUED.set(stats.adapters_queued, tags)
+        for state in ("total", "in_use"):
+            ADAPTER_PAGES.set(stats.adapter_pages.get(state, 0), {**tags, "state": state})
         per_key = (
             (TENANT_WAITING, "tenant", stats.tenant_waiting, last.tenant_waiting if last else {}),
             (

@@ -20,6 +20,7 @@ ISOLATION_FIELDS = (
     "preemptions_by_reason",
     "adapter_queue",
     "resident_ranks",
+    "adapter_pages",
 )
 
 

@@ -81,6 +81,8 @@ BENCHES = {
         "loads",
         "adapters",
         "slots",
+        "lora_page_rank",
+        "max_rank_slots_ttft_p99_vs_resident",
     },
 }
 RUN_ELSEWHERE = {

@@ -42,6 +42,11 @@ class ReplicaIsolationOut(BaseModel):
         "stats_top_adapters)."
     )
     resident_ranks: dict[str, int] = Field(description="The LoRA rank of each adapter in a device slot.")
+    adapter_pages: dict[str, int] = Field(
+        default_factory=dict,
+        description='Device adapter memory in pages: "total", "in_use" (the resident adapters\' runs) and '
+        '"page_rank" (rank units a page holds; an adapter of rank r takes ceil(r / page_rank) pages).',
+    )
 
     @computed_field(  # type: ignore[prop-decorator]
         description='How many resident adapters have each LoRA rank (rank as a string: "8", "64").'

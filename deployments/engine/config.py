@@ -76,20 +76,31 @@ class EngineConfig(BaseModel):
         default=None,
         ge=1,
         le=256,
-        description="Adapter slots on the device; unset: as many as lora_memory_mb holds (1 to 256).",
+        description=(
+            "Device adapter memory as a count of max_lora_rank adapters (1 to 256); unset: as much as "
+            "lora_memory_mb holds. Adapters of lower rank take less of it (lora_page_rank), so more fit."
+        ),
     )
     lora_memory_mb: int = Field(
         default=512,
         ge=1,
         description=(
-            "Device memory for adapter slots when max_loras is unset. A slot holds one adapter padded to "
-            "max_lora_rank on every target module, in the compute dtype."
+            "Device memory for adapters when max_loras is unset, in pages of lora_page_rank rank units on "
+            "every target module (compute dtype): it holds the sum of the resident adapters' ranks."
+        ),
+    )
+    lora_page_rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description=(
+            "Rank units in one page of adapter memory: an adapter of rank r takes ceil(r / page) pages, each "
+            "page one more kernel pass per step. Unset: 8 (or max_lora_rank if smaller) on CPU; "
+            "max_lora_rank on CUDA, whose Triton LoRA kernels and decode graphs take one page an adapter."
         ),
     )
     max_cpu_loras: int = Field(default=32, ge=1, description="Adapters kept in CPU memory (LRU).")
-    max_lora_rank: int = Field(
-        default=16, ge=1, le=256, description="Largest servable rank; slots pad to it."
-    )
+    max_lora_rank: int = Field(default=16, ge=1, le=256, description="Largest servable rank.")
     lora_target_modules: tuple[str, ...] = Field(
         default=DEFAULT_LORA_TARGETS, description="Linear module names that accept LoRA deltas."
     )
@@ -302,6 +313,21 @@ class EngineConfig(BaseModel):
     @property
     def name(self) -> str:
         return self.served_model_name or self.model.name
+
+    def page_rank_for(self, device_type: str) -> int:
+        """The rank units of one adapter page on this device (see lora_page_rank)."""
+        if device_type == "cuda":
+            if self.lora_page_rank not in (None, self.max_lora_rank):
+                raise ValueError(
+                    f"lora_page_rank ({self.lora_page_rank}) below max_lora_rank ({self.max_lora_rank}) runs "
+                    "on CPU engines only: the CUDA LoRA kernels take an adapter of one page"
+                )
+            return self.max_lora_rank
+        return self.lora_page_rank or min(8, self.max_lora_rank)
+
+    def pages_per_adapter(self, device_type: str) -> int:
+        """Pages of an adapter of max_lora_rank."""
+        return -(-self.max_lora_rank // self.page_rank_for(device_type))
 
     def torch_device(self) -> "torch.device":
         import torch

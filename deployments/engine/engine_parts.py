@@ -111,7 +111,7 @@ def build_engine_parts(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_prompt_logprob_rows=plan.prompt_logprob_rows,
-        max_loras=m.max_loras,
+        lora_pages=m.lora_pages,
         adapter_wait_bound_s=config.adapter_wait_bound_s,
         adapter_min_residency_s=config.adapter_min_residency_s,
         scheduling=config.scheduling,
@@ -178,9 +178,10 @@ def _adapter_manager(config: EngineConfig, m: LoadedModel, digests: DigestSource
     return AdapterManager(
         store,
         m.lora_modules,
-        max_loras=m.max_loras,
+        lora_pages=m.lora_pages,
         max_cpu_loras=config.max_cpu_loras,
         max_rank=config.max_lora_rank,
+        page_rank=m.lora_page_rank,
         dtype=m.dtype,
         device=m.device,
         retry_s=config.adapter_retry_s,
@@ -191,14 +192,14 @@ def _adapter_manager(config: EngineConfig, m: LoadedModel, digests: DigestSource
 
 def _model_runner(config: EngineConfig, m: LoadedModel, kv_cache: KVCache, max_model_len: int) -> ModelRunner:
     """The runner, once the LoRA kernel for this model's shapes is chosen (it captures graphs with it)."""
-    dims = {config.max_lora_rank} | {
+    dims = {m.lora_page_rank} | {
         d for mod in m.lora_modules.values() for d in (mod.in_features, mod.out_features)
     }
     m.lora_context.kernel_name, m.lora_context.kernel = select_kernel(m.dtype, m.device, dims)
     return ModelRunner(
         m,
         kv_cache,
-        max_loras=m.max_loras,
+        lora_pages=m.lora_pages,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,

@@ -254,6 +254,11 @@ class LLMEngine:
             tenant_service={t or "": v for t, v in self.scheduler.served_service().items()},
             preemptions_by_reason=self.scheduler.preemptions_by_reason(),
             resident_ranks=self._resident_ranks(),
+            adapter_pages={
+                "total": slots.num_slots,
+                "in_use": slots.num_slots - len(slots.free_pages()),
+                "page_rank": self.adapters.page_rank,
+            },
             **queues,
         )
 

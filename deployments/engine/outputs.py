@@ -77,7 +77,7 @@ class EngineStats:
     running: int
     waiting: int
     kv_usage: float  # fraction of KV blocks in use
-    free_slots: int
+    free_slots: int  # adapter pages free or held by idle adapters (an adapter of rank r takes ceil(r/page))
     device_adapters: list[str]  # refs in device slots
     cpu_adapters: list[str]  # refs in CPU memory
     busy_seconds: float  # sum of step device times
@@ -114,3 +114,5 @@ class EngineStats:
     # Adapters waiting for a device slot in the rotation's order, next first (the first stats_top_adapters).
     adapter_rotation: list[str] = field(default_factory=list)
     resident_ranks: dict[str, int] = field(default_factory=dict)  # ref in a device slot -> its LoRA rank
+    # Device adapter memory in pages: "total", "in_use" (resident adapters' runs), "page_rank" (rank units).
+    adapter_pages: dict[str, int] = field(default_factory=dict)

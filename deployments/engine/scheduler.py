@@ -71,7 +71,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_loras: int,
+        lora_pages: int,
         adapter_wait_bound_s: float = 0.0,
         adapter_min_residency_s: float = 0.0,
         max_prompt_logprob_rows: int | None = None,
@@ -86,7 +86,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prompt_logprob_rows = max_prompt_logprob_rows or max_num_batched_tokens
-        self._base_order = max_loras  # sort key putting base-model tokens after every slot
+        self._base_order = lora_pages  # sort key putting base-model tokens after every slot
         self.adapter_wait_bound_s = adapter_wait_bound_s
         self.adapter_min_residency_s = adapter_min_residency_s
         self.slot_preemptions = 0  # sequences preempted to hand their slot to an overdue adapter
@@ -346,7 +346,7 @@ class Scheduler:
                 remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
         self.adapters.plan(queued, remaining, order, self._interactive_refs())
         cold = [ref for ref in order if not slots.holds(ref)]  # a draining one waits for its slot to free
-        return cold[: max(1, self.adapters.claimable())]
+        return cold[: max(1, self.adapters.claimable_count(cold))]
 
     def _interactive_refs(self) -> frozenset[AdapterRef]:
         """The adapters interactive sequences run or wait for, or did within batch_interactive_window_s: the
@@ -478,7 +478,7 @@ class Scheduler:
                     overdue_served = slot is not None
                 if slot is None:
                     continue
-                seq.slot = slot
+                seq.slot, seq.lora_pages = slot, self.adapters.slots.pages_at(slot)
             first = seq.metrics.first_scheduled is None
             cached = 0 if seq.collects_prompt_logprobs else self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget, rows)
@@ -577,4 +577,4 @@ class Scheduler:
             self.blocks.free(seq)
         if seq.slot >= 0:
             self.adapters.release(seq.slot)
-            seq.slot = -1
+            seq.slot, seq.lora_pages = -1, 0

@@ -63,6 +63,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # digests of the leading full, computed blocks
     slot: int = -1  # device adapter slot while running; -1: base model
+    lora_pages: int = 0  # pages of adapter memory from `slot` on (lora_layers.py)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -42,7 +42,13 @@ from tests.model_fixtures import TinySetup
 
 PROMPT = list(range(40, 60))  # one prompt for everyone: only the weights tell the outputs apart
 # Fewer slots than adapters, and no time-based preemption: the schedule depends on the steps alone.
-CHURN: dict[str, Any] = {"max_loras": 3, "adapter_wait_bound_s": 0.0, "fair_wait_bound_s": 0.0}
+# Three adapters of any rank fit at once (one page each), so the scenarios below know who waits for a slot.
+CHURN: dict[str, Any] = {
+    "max_loras": 3,
+    "lora_page_rank": 16,
+    "adapter_wait_bound_s": 0.0,
+    "fair_wait_bound_s": 0.0,
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,7 @@ def test_fused_members_split_as_peft_applies_the_adapter(
     model.to(device)
     context = LoRAContext()
     modules = wrap_lora_modules(
-        model, targets=DEFAULT_LORA_TARGETS, max_loras=SLOTS, max_rank=MAX_RANK, dtype=torch.float32,
+        model, targets=DEFAULT_LORA_TARGETS, pages=SLOTS, page_rank=MAX_RANK, dtype=torch.float32,
         device=device, context=context,
     )  # fmt: skip
     assert {path.rsplit(".", 1)[-1] for path in modules} == {
@@ -60,7 +60,7 @@ def test_fused_members_split_as_peft_applies_the_adapter(
         "down_proj",
     }
     weights = load_adapter_weights(adapter_dir, AdapterSpec.from_dir(adapter_dir), dtype=torch.float32)
-    load_adapter_into_slot(modules, SLOT, weights)
+    load_adapter_into_slot(modules, SLOT, 1, weights)
     ends = [0, len(x), len(x)]  # every row on SLOT
     batch = LoRABatch(
         num_lora_tokens=len(x),

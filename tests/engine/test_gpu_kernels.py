@@ -573,8 +573,8 @@ def test_projection_lora_on_triton_equals_the_module_path(quantized: bool, devic
         members: list[nn.Module] = []
         for width in widths:
             member = MultiLoRALinear(
-                linear(hidden, width, bias=False), in_features=hidden, out_features=width, max_loras=slots,
-                max_rank=rank, dtype=torch.float32, device=device, context=context,
+                linear(hidden, width, bias=False), in_features=hidden, out_features=width, pages=slots,
+                page_rank=rank, dtype=torch.float32, device=device, context=context,
             )  # fmt: skip
             member.lora_a.copy_(torch.randn(slots, hidden, rank) * 0.3)
             member.lora_b.copy_(torch.randn(slots, rank, width) * 0.3)
@@ -909,12 +909,12 @@ def test_projection_runs_nf4_members_through_the_kernel(grouped: bool, device: t
     members: list[torch.nn.Module] = list(bases)
     for i in range(3 if grouped else 1):
         wrapper = MultiLoRALinear(
-            bases[i], in_features=k, out_features=widths[i], max_loras=2, max_rank=rank, dtype=dtype,
+            bases[i], in_features=k, out_features=widths[i], pages=2, page_rank=rank, dtype=dtype,
             device=device, context=context,
         )  # fmt: skip
         a = randn(rank, k, dtype=dtype, device=device, seed=52 + i, scale=0.1)
         b = randn(widths[i], rank, dtype=dtype, device=device, seed=55 + i, scale=0.1)
-        wrapper.load_slot(1, a, b)
+        wrapper.load_slot(1, 1, a, b)
         wants[i][:3] += x[:3] @ a.t() @ b.t()  # rows 0..2 carry slot 1; rows 3, 4 no adapter
         members[i] = wrapper
     segments = [(1, 0, 3)]

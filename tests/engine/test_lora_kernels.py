@@ -4,15 +4,18 @@ import random
 
 import pytest
 import torch
+from torch import nn
 
 from deployments.engine.model.lora_kernels import (
     LoRABatch,
     _cpu_extension,
     grouped_mm_kernel,
     loop_kernel,
+    lora_batch,
     select_kernel,
     sgmv_cpu_kernel,
 )
+from deployments.engine.model.lora_layers import LoRAContext, MultiLoRALinear, pages_for_rank
 from tests.ci import is_ci, missing
 
 
@@ -64,6 +67,53 @@ def test_kernel_matches_reference(name: str, dtype: torch.dtype, tol: float, cas
     torch.testing.assert_close(
         got[batch.num_lora_tokens :], base[batch.num_lora_tokens :]
     )  # base rows untouched
+
+
+@pytest.mark.parametrize("name", ["loop", "grouped_mm", "sgmv_cpu"])
+@pytest.mark.parametrize("page_rank", [4, 8, 16])
+@pytest.mark.parametrize("case", range(3))
+def test_adapters_in_page_runs_equal_each_adapter_alone(name: str, page_rank: int, case: int) -> None:
+    """Adapters of mixed ranks written into runs of pages (the last one part zeros) and applied in page
+    rounds give each token its own adapter's x A^T B^T, through MultiLoRALinear as the engine calls it."""
+    if name == "sgmv_cpu" and _cpu_extension() is None:
+        missing("the native CPU kernel did not build here (the engine falls back to the torch kernels)")
+    rnd = random.Random(case)
+    in_f, out_f = rnd.choice([(64, 96), (96, 32)])
+    ranks = [rnd.choice([3, 4, 8, 12, 16]) for _ in range(4)]
+    gen = torch.Generator().manual_seed(case)
+    context = LoRAContext()
+    context.kernel = KERNELS[name]
+    base = nn.Linear(in_f, out_f, bias=False)
+    module = MultiLoRALinear(
+        base, in_features=in_f, out_features=out_f, pages=24, page_rank=page_rank, dtype=torch.float32,
+        device=torch.device("cpu"), context=context,
+    )  # fmt: skip
+    module.lora_a.normal_(generator=gen)  # stale weights of earlier adapters: loads must clear them
+    module.lora_b.normal_(generator=gen)
+    weights, slots, pages, start = [], [], [], rnd.randrange(3)
+    for rank in ranks:
+        a = torch.randn(rank, in_f, generator=gen) * 0.1
+        b = torch.randn(out_f, rank, generator=gen) * 0.1
+        n = pages_for_rank(rank, page_rank)
+        module.load_slot(start, n, a, b)
+        weights.append((a, b))
+        slots.append(start)
+        pages.append(n)
+        start += n + rnd.randrange(2)  # runs with gaps between them
+    lengths = [rnd.choice([1, 2, 40]) for _ in ranks]
+    segments, ends, cursor = [], torch.zeros(24, dtype=torch.int64), 0
+    for slot, length in zip(slots, lengths, strict=True):
+        segments.append((slot, cursor, cursor + length))
+        cursor += length
+        ends[slot] = length
+    x = torch.randn(cursor + 2, in_f, generator=gen)  # two base-model rows last
+    context.batch = lora_batch(segments, pages, ends.cumsum(0), cursor)
+    got = module(x)
+    want = base(x)
+    for (_, first, last), (a, b) in zip(segments, weights, strict=True):
+        want[first:last] += x[first:last] @ a.t() @ b.t()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert len(context.batch.page_rounds()) == max(pages)
 
 
 def test_cpu_selects_the_native_kernel_when_it_builds() -> None:

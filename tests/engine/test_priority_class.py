@@ -296,8 +296,14 @@ def _batch_beside_an_interactive_adapter(llama: TinySetup, window_s: float) -> t
     """One slot for adapter A, used by an interactive request that has ended, one free; batch requests on
     B and C. Whether A was still resident once C ran, and the slot loads A's next request cost."""
     a, b, c = llama.refs["demo-sql"], llama.refs["demo-poet"], llama.refs["demo-chef"]
-    engine = make_engine(llama, max_loras=2, max_num_seqs=8, adapter_min_residency_s=0,
-                         batch_interactive_window_s=window_s)  # fmt: skip
+    engine = make_engine(
+        llama,
+        max_loras=2,
+        lora_page_rank=16,
+        max_num_seqs=8,
+        adapter_min_residency_s=0,
+        batch_interactive_window_s=window_s,
+    )  # fmt: skip  (two adapters of any rank)
     preload(engine, llama)
     engine.add_request(replace(_request("i0", "live", "interactive"), adapter=a))
     drain(engine)

@@ -133,3 +133,24 @@ def test_mixed_batch_equals_peft_per_request(tiny_setups: dict[str, TinySetup], 
     total_gpu_ms = sum(u.gpu_ms for u in usage.values())
     assert total_gpu_ms == pytest.approx(engine.counters.busy_seconds * 1e3, rel=1e-9)
     engine.close()
+
+
+@pytest.mark.parametrize("page_rank", [3, 16])
+def test_adapters_in_pages_of_any_width_equal_peft(tiny_setups: dict[str, TinySetup], page_rank: int) -> None:
+    """The same run with adapter memory in pages of 3 rank units (rank 16 in six pages, the last part zeros;
+    rank 4 in two) and of 16 (one page an adapter, as before pages); the default of 8 runs above."""
+    setup = tiny_setups["llama"]
+    engine = LLMEngine(scenario_config(setup.model_dir, setup.store_root, lora_page_rank=page_rank))
+    assert engine.loaded.lora_page_rank == page_rank
+    assert engine.adapters.slots.num_slots == 3 * -(-16 // page_rank)
+    for ref in setup.refs.values():
+        future = engine.adapters.prefetch(ref)
+        if future is not None:
+            future.result()
+    arrivals = script()
+    outputs = run_engine(engine, arrivals, logprobs=0)
+    assert_equals_peft(
+        PeftReference(setup.model_dir, setup.adapter_dirs), arrivals, outputs, f"pages of {page_rank}"
+    )
+    assert engine.adapters.slots.evictions > 0, "the run was meant to swap adapters through the pages"
+    engine.close()

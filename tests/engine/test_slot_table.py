@@ -1,4 +1,4 @@
-"""SlotTable: device adapter slots, their users, LRU eviction, draining, pinning and removal."""
+"""SlotTable: adapter slots (runs of pages), their users, LRU eviction, draining, pinning and removal."""
 
 import random
 
@@ -32,9 +32,26 @@ def check_invariants(table: SlotTable) -> None:
     assert table.num_free == len(free) + sum(1 for s in table._idle if table._ref[s] not in table.pinned)
 
 
-def loaded(table: SlotTable, ref: AdapterRef, users: int = 0) -> int:
+def check_runs(table: SlotTable) -> None:
+    """Every page is free or covered by exactly the run of one resident adapter."""
+    covered: dict[int, int] = {}
+    for ref, slot in table.resident().items():
+        width = table.pages_at(slot)
+        assert width >= 1, f"{ref} at {slot} has no pages"
+        for page in range(slot, slot + width):
+            assert page not in covered, f"page {page} is in the runs of slots {covered[page]} and {slot}"
+            covered[page] = slot
+    assert sorted(table._free) == sorted(set(range(table.num_slots)) - set(covered)), "free pages"
+    assert [table._owner[p] for p in range(table.num_slots)] == [
+        covered.get(p, -1) for p in range(table.num_slots)
+    ]
+    idle_pages = sum(table.pages_at(s) for s in table._idle if table._ref[s] not in table.pinned)
+    assert table.num_free == len(table._free) + idle_pages
+
+
+def loaded(table: SlotTable, ref: AdapterRef, users: int = 0, pages: int = 1) -> int:
     """Claim a slot for `ref` and give it `users` users."""
-    slot = table.claim(ref)
+    slot = table.claim(ref, pages=pages)
     assert slot is not None
     for _ in range(users):
         table.acquire(slot)
@@ -274,6 +291,52 @@ def test_drain_one_prefers_a_busy_slot_over_an_idle_one() -> None:
     assert not table.holds(B)
 
 
+# -- runs of pages ------------------------------------------------------------------------------------
+
+
+def test_a_wide_adapter_takes_the_narrowest_free_run_that_fits() -> None:
+    table = SlotTable(8)
+    a, b, c = loaded(table, A, users=1), loaded(table, B, users=1, pages=3), loaded(table, C, users=1)
+    assert (a, b, c) == (0, 1, 4)
+    table.release(b)
+    table.remove("b")  # pages 1-3 free again; 5-7 free too
+    d = loaded(table, D, pages=2)
+    assert d == 1  # both free runs fit; the first of the narrowest
+    assert table.pages_at(d) == 2 and table.pages_at(a) == 1
+    check_runs(table)
+
+
+def test_a_wide_claim_evicts_the_cheapest_window_of_idle_adapters() -> None:
+    table = SlotTable(6)
+    narrow = [loaded(table, AdapterRef(f"n{i}", 1)) for i in range(4)]  # pages 0-3, idle
+    busy = loaded(table, B, users=1, pages=2)  # pages 4-5
+    assert narrow == [0, 1, 2, 3] and busy == 4
+    demand = {AdapterRef(f"n{i}", 1): d for i, d in enumerate([5, 0, 0, 5])}
+    wide = table.claim(C, score=lambda ref: demand.get(ref, 0), pages=2)
+    assert wide == 1  # n1 and n2, nobody queued for them; not n0 or n3, nor the busy run
+    assert set(table.resident()) == {AdapterRef("n0", 1), AdapterRef("n3", 1), B, C}
+    assert table.evictions == 2
+    check_runs(table)
+    assert wide is not None
+    table.acquire(wide)
+    assert table.claim(D, pages=3) is None  # every 3-page window holds a page of C's or B's busy runs
+    table.pinned.add(AdapterRef("n0", 1))
+    assert table.claim(D, pages=2) is None  # n0 pinned, n3 between C and B: no 2-page window
+    assert table.claim(D, pages=1) == 3  # n3 (idle, unpinned) goes
+    check_runs(table)
+
+
+def test_a_drained_run_frees_all_its_pages() -> None:
+    table = SlotTable(4)
+    a = loaded(table, A, users=1, pages=3)
+    table.start_draining(a)
+    assert table.draining_pages == 3
+    assert table.claim(B, pages=2) is None
+    table.release(a)
+    assert table.claim(B, pages=2) == 0
+    check_runs(table)
+
+
 # -- remove -------------------------------------------------------------------------------------------
 
 
@@ -347,11 +410,13 @@ def test_remove_drops_pins_of_versions_that_are_not_resident() -> None:
 REFS = [AdapterRef(name, version) for name in ("a", "b", "c", "d", "e") for version in (1, 2)]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_operations_keep_the_table_consistent(seed: int) -> None:
-    """Drives the table the way AdapterManager does: lookup+acquire, else claim, else drain_one."""
+@pytest.mark.parametrize(("seed", "widest"), [(0, 1), (1, 1), (2, 1), (3, 1), (4, 3), (5, 3), (6, 4)])
+def test_random_operations_keep_the_table_consistent(seed: int, widest: int) -> None:
+    """Drives the table the way AdapterManager does: lookup+acquire, else claim, else drain_one; adapters
+    one to `widest` pages wide."""
     rng = random.Random(seed)
-    table = SlotTable(4)
+    table = SlotTable(4 * widest)
+    width = {ref: rng.randint(1, widest) for ref in REFS}
     held: list[tuple[AdapterRef, int]] = []  # one entry per user we hold
     claims = drains = 0
     for _ in range(400):
@@ -361,7 +426,7 @@ def test_random_operations_keep_the_table_consistent(seed: int) -> None:
             resident_pinned = {r: s for r, s in table.resident().items() if r in table.pinned}
             slot = table.lookup(ref)
             if slot is None and not table.holds(ref):
-                slot = table.claim(ref)
+                slot = table.claim(ref, pages=width[ref])
                 if slot is None:
                     before = set(table._draining)
                     drains += table.drain_one()
@@ -393,10 +458,12 @@ def test_random_operations_keep_the_table_consistent(seed: int) -> None:
                     assert table.lookup(ref) is None
         for slot in range(table.num_slots):
             assert table.users(slot) == sum(1 for _, s in held if s == slot)
-        check_invariants(table)
+        check_runs(table)
+        if widest == 1:
+            check_invariants(table)
     while held:
         table.release(held.pop()[1])
-        check_invariants(table)
+        check_runs(table)
     assert all(table.users(s) == 0 for s in range(table.num_slots))
     assert not table._draining
     assert claims > 10

@@ -37,7 +37,8 @@ def test_a_failed_forward_pass_fails_its_step_and_the_engine_goes_on(
     [logged] = [r for r in caplog.records if r.exc_info]
     assert "a, b" in logged.getMessage() and "device fell over" in (logged.exc_text or "")
     stats = engine.stats()
-    assert stats.running == stats.waiting == 0 and stats.kv_usage == 0.0 and stats.free_slots == 4
+    assert stats.running == stats.waiting == 0 and stats.kv_usage == 0.0
+    assert stats.free_slots == engine.adapters.slots.num_slots  # every adapter page free or idle
 
     engine.add_request(EngineRequest("later", [7, 8, 9], GREEDY))
     assert tokens(drain(engine)["later"]) == expected

@@ -42,7 +42,7 @@ from adapters.weights import AdapterWeights, load_adapter_weights
 from deployments.engine.adapter_tiers.cpu_cache import CpuAdapterCache
 from deployments.engine.adapter_tiers.slot_table import SlotTable
 from deployments.engine.adapter_tiers.spec_cache import AdapterSpecs
-from deployments.engine.model.lora_layers import MultiLoRALinear, load_adapter_into_slot
+from deployments.engine.model.lora_layers import MultiLoRALinear, load_adapter_into_slot, pages_for_rank
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ class AdapterManager:
         store: AdapterStore,
         lora_modules: dict[str, MultiLoRALinear],
         *,
-        max_loras: int,
+        lora_pages: int,
         max_cpu_loras: int,
         max_rank: int,
+        page_rank: int | None = None,
         dtype: torch.dtype,
         device: torch.device,
         retry_s: float = 1.0,
@@ -66,11 +67,12 @@ class AdapterManager:
         self._modules = lora_modules
         self._targets = {path.rsplit(".", 1)[-1] for path in lora_modules}
         self.max_rank = max_rank
+        self.page_rank = page_rank or max_rank  # rank units per page of device adapter memory
         self.min_residency_s = min_residency_s
         self._dtype = dtype
         self._device = device
         self.specs = AdapterSpecs(self._read_spec)
-        self.slots = SlotTable(max_loras)
+        self.slots = SlotTable(lora_pages)
         self.cpu = CpuAdapterCache(
             self._load, capacity=max_cpu_loras, retry_s=retry_s, retry_max_s=retry_max_s
         )
@@ -138,14 +140,15 @@ class AdapterManager:
                 self._prefetch(ref)  # beyond the planned lookahead a load would only evict a nearer need
             return None
         keep = self._settling if not batch else lambda s: self._settling(s) or self._for_interactive(s)
-        slot = self.slots.claim(ref, score=lambda held: self._demand[held], keep=keep)
+        pages = pages_for_rank(max(w.a.shape[0] for w in weights.modules.values()), self.page_rank)
+        slot = self.slots.claim(ref, score=lambda held: self._demand[held], keep=keep, pages=pages)
         if slot is None:
             self._cold.add(ref)
             self._drain()
             return None
         start = time.perf_counter()
         try:
-            load_adapter_into_slot(self._modules, slot, weights)
+            load_adapter_into_slot(self._modules, slot, pages, weights)
         except Exception as error:  # the slot holds a half-written adapter: free it, fail this version
             self.slots.discard(slot)
             failed = AdapterLoadFailed(str(ref), f"writing it into a device slot failed: {error!r}")
@@ -166,8 +169,24 @@ class AdapterManager:
         return self.slots.ref_at(slot) in self._interactive
 
     def claimable(self) -> int:
-        """Slots an adapter without one could be loaded into now: free, or idle and not settling."""
-        return self.slots.num_free - sum(1 for s in self.slots.idle() if self._settling(s))
+        """Pages adapters without a slot could be loaded into now: free, or idle and not settling."""
+        settling = sum(self.slots.pages_at(s) for s in self.slots.idle() if self._settling(s))
+        return self.slots.num_free - settling
+
+    def pages_for(self, ref: AdapterRef) -> int:
+        """Pages `ref` takes on the device (those of max_lora_rank while its config is unread)."""
+        spec = self.specs.cached(ref)
+        return pages_for_rank(self.max_rank if spec is None else spec.max_rank, self.page_rank)
+
+    def claimable_count(self, refs: list[AdapterRef]) -> int:
+        """How many of `refs`, in order, fit in the claimable pages (fragmentation aside)."""
+        left, count = self.claimable(), 0
+        for ref in refs:
+            left -= self.pages_for(ref)
+            if left < 0:
+                break
+            count += 1
+        return count
 
     def release(self, slot: int) -> None:
         self.slots.release(slot)
@@ -202,17 +221,26 @@ class AdapterManager:
                 self._prefetch(ref)
         # Start freeing slots for the queue's cold adapters now, not when they reach the batch: the users of
         # a draining slot are still decoding, so the wait overlaps with work.
-        self._cold = {ref for ref in lookahead[: self.slots.num_slots] if not self.slots.holds(ref)}
+        cold: list[AdapterRef] = []
+        pages = 0
+        for ref in lookahead:
+            if self.slots.holds(ref):
+                continue
+            pages += self.pages_for(ref)
+            if pages > self.slots.num_slots:
+                break
+            cold.append(ref)
+        self._cold = set(cold)
         self._drain()
 
     def _drain(self) -> None:
         """Mark slots draining for the cold adapters that want one beyond the free slots (at most half the
         slots at once): slots no queued request wants and past their minimum residency, the one whose users
         finish soonest first; if none drains then, the least wanted slot past its minimum residency."""
-        wanted = min(len(self._cold) - self.claimable(), self.slots.num_slots // 2)
+        wanted = min(sum(map(self.pages_for, self._cold)) - self.claimable(), self.slots.num_slots // 2)
         # Cold adapters only the batch class wants never drain a slot interactive work uses.
         spared = self._for_interactive if self._cold.isdisjoint(self._interactive) else lambda s: False
-        while self.slots.num_draining < wanted:
+        while self.slots.draining_pages < wanted:
             unwanted = [
                 s
                 for s in self.slots.drainable()
@@ -225,7 +253,8 @@ class AdapterManager:
                 min(unwanted, key=lambda s: (self._for_interactive(s), self._remaining.get(s, 0)))
             )
         busy = [s for s in self.slots.drainable() if not self._settling(s) and not spared(s)]
-        if self._cold and self.slots.num_draining == 0 and not self.claimable() and busy:
+        narrowest = min(map(self.pages_for, self._cold), default=0)
+        if self._cold and self.slots.num_draining == 0 and self.claimable() < narrowest and busy:
             # Every busy slot has queued requests: drain the least wanted anyway, so nobody starves (the
             # head of the rotation gets it, whether or not a row is free for it yet).
             self.slots.start_draining(
@@ -276,9 +305,14 @@ class AdapterManager:
     def pin(self, ref: AdapterRef) -> None:
         """Keep `ref` in a device slot for good; it is loaded by the next request or acquire (a version
         that fails to load is unpinned by `load_pinned`, and the registry watcher pins it again)."""
-        if len(self.slots.pinned) + 1 >= self.slots.num_slots:
+        widest = pages_for_rank(self.max_rank, self.page_rank)
+        held = sum(map(self.pages_for, self.slots.pinned - {ref}))
+        if held + self.pages_for(ref) + widest > self.slots.num_slots:
             raise AdapterInvalid(
-                [f"cannot pin more than {self.slots.num_slots - 1} adapters (max_loras - 1)"]
+                [
+                    f"cannot pin {ref}: pinned adapters must leave room for one adapter of max_lora_rank "
+                    f"({held} of {self.slots.num_slots} adapter pages pinned)"
+                ]
             )
         self.slots.pinned.add(ref)
         self.cpu.pin(ref)

@@ -6,19 +6,29 @@ finishes it goes to a waiter. That bounds a cold adapter's wait (no starvation w
 outnumber slots) without evicting anything mid-request. Which slot to evict or drain is the caller's
 choice (`claim`'s and `drain`'s `score`: the adapter manager ranks by queued demand). Pinned adapters are
 never evicted or drained.
+
+Device adapter memory is `num_slots` pages (lora_layers.py): an adapter takes a run of consecutive pages
+as wide as its rank needs, and its slot is the run's first page. A claim takes the narrowest free run
+that fits; failing that, the window of pages whose idle occupants are cheapest to evict (lowest score,
+then least recently used, then fewest pages to clear). Runs instead of scattered pages keep the kernels
+reading one page per segment and round; the price is fragmentation, which evicting a window resolves.
 """
 
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
+
 from adapters.ref import AdapterRef
 
 
 class SlotTable:
     def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # pages: an adapter's slot is the first page of its run
         self._ref: list[AdapterRef | None] = [None] * num_slots
+        self._pages = [0] * num_slots  # run length at each occupied slot
+        self._owner = [-1] * num_slots  # the slot whose run covers each page; -1: free
         self._users = [0] * num_slots
         self.claimed_at = [0.0] * num_slots  # time.monotonic() of each slot's latest load
         self._slot_of: dict[AdapterRef, int] = {}
@@ -58,33 +68,82 @@ class SlotTable:
         ref: AdapterRef,
         score: Callable[[AdapterRef], int] | None = None,
         keep: Callable[[int], bool] | None = None,
+        pages: int = 1,
     ) -> int | None:
-        """A slot to load `ref` into (free, or an idle one evicted), or None if all are busy. The idle victim
-        has the lowest `score` of its adapter (least recently used among equals); idle slots for which
-        `keep(slot)` holds are not evicted. The caller writes the weights, then acquires."""
+        """The first page of a run of `pages` to load `ref` into (free, or idle ones evicted), or None if no
+        such run can be had now. Idle victims have the lowest `score` of their adapter (least recently used
+        among equals); idle slots for which `keep(slot)` holds are not evicted. The caller writes the
+        weights, then acquires."""
         assert ref not in self._slot_of, f"{ref} is already resident"
-        if self._free:
-            slot = self._free.pop()
-        else:
-            idle = [  # least recently used first
-                s for s in self._idle if self._ref[s] not in self.pinned and (keep is None or not keep(s))
-            ]
-            if not idle:
+        slot = self._free_run(pages)
+        if slot is None:
+            slot = self._evictable_window(pages, score, keep)
+            if slot is None:
                 return None
-            victim = idle[0] if score is None else min(idle, key=lambda s: score(self._ref_at(s)))
-            self._evict(victim)
-            slot = self._free.pop()
+            for victim in sorted({self._owner[p] for p in range(slot, slot + pages)} - {-1}):
+                self._evict(victim)
+        for page in range(slot, slot + pages):
+            self._free.remove(page)
+            self._owner[page] = slot
         self._ref[slot] = ref
+        self._pages[slot] = pages
         self._slot_of[ref] = slot
         self._idle[slot] = None
         self.claimed_at[slot] = time.monotonic()
         self.loads += 1
         return slot
 
+    def _free_run(self, pages: int) -> int | None:
+        """The start of the narrowest run of free pages at least `pages` long (the lowest such start)."""
+        best: tuple[int, int] | None = None  # (run length, start)
+        start = -1
+        for page in range(self.num_slots + 1):
+            free = page < self.num_slots and self._owner[page] < 0
+            if free and start < 0:
+                start = page
+            elif not free and start >= 0:
+                if page - start >= pages and (best is None or page - start < best[0]):
+                    best = (page - start, start)
+                start = -1
+        return None if best is None else best[1]
+
+    def _evictable_window(
+        self, pages: int, score: Callable[[AdapterRef], int] | None, keep: Callable[[int], bool] | None
+    ) -> int | None:
+        """The start of the `pages`-long window whose pages are all free or held by idle, unpinned, unkept
+        adapters, evicting the cheapest: lowest worst score, then the least recently used, then the fewest
+        occupied pages."""
+        if pages > self.num_slots:
+            return None
+        blocked = np.ones(self.num_slots, dtype=np.int64)
+        worst = np.zeros(self.num_slots, dtype=np.int64)  # the occupant's score
+        recency = np.full(self.num_slots, -1, dtype=np.int64)  # the occupant's place in LRU order
+        for order, slot in enumerate(self._idle):
+            ref = self._ref_at(slot)
+            if ref in self.pinned or (keep is not None and keep(slot)):
+                continue
+            run = slice(slot, slot + self._pages[slot])
+            blocked[run], worst[run], recency[run] = 0, 0 if score is None else score(ref), order
+        occupied = np.array([owner >= 0 for owner in self._owner], dtype=np.int64)
+        blocked[occupied == 0] = 0
+        # Every window's largest blocked count, score and recency, and its occupied pages.
+        views = [np.lib.stride_tricks.sliding_window_view(v, pages) for v in (blocked, worst, recency)]
+        stuck, cost, recent = (v.max(axis=1) for v in views)
+        filled = np.lib.stride_tricks.sliding_window_view(occupied, pages).sum(axis=1)
+        starts = np.flatnonzero(stuck == 0)
+        if starts.size == 0:
+            return None
+        order = np.lexsort((filled[starts], recent[starts], cost[starts]))
+        return int(starts[order[0]])
+
     def discard(self, slot: int) -> None:
         """Free a slot just claimed whose adapter could not be written into it (it has no users yet)."""
         assert self._users[slot] == 0, f"slot {slot} is in use"
         self._evict(slot)
+
+    def pages_at(self, slot: int) -> int:
+        """Pages of the run that starts at `slot` (0 if none does)."""
+        return self._pages[slot]
 
     def drainable(self) -> list[int]:
         """Busy, unpinned slots not draining yet."""
@@ -111,6 +170,13 @@ class SlotTable:
             return False
         self._draining.discard(slot)
         return True
+
+    def free_pages(self) -> list[int]:
+        return sorted(self._free)
+
+    @property
+    def draining_pages(self) -> int:
+        return sum(self._pages[s] for s in self._draining)
 
     def drain_one(self) -> bool:
         """Mark the busy, unpinned slot with the fewest users as draining (unless one already drains)."""
@@ -159,8 +225,9 @@ class SlotTable:
 
     @property
     def num_free(self) -> int:
-        """Slots a new adapter could take now without waiting."""
-        return len(self._free) + sum(1 for s in self._idle if self._ref[s] not in self.pinned)
+        """Pages new adapters could take now without waiting: free, or held by idle unpinned ones."""
+        idle = sum(self._pages[s] for s in self._idle if self._ref[s] not in self.pinned)
+        return len(self._free) + idle
 
     def _evict(self, slot: int) -> None:
         ref = self._ref[slot]
@@ -171,4 +238,7 @@ class SlotTable:
         self._idle.pop(slot, None)
         self._draining.discard(slot)
         self._removed.discard(slot)
-        self._free.append(slot)
+        for page in range(slot, slot + self._pages[slot]):
+            self._owner[page] = -1
+            self._free.append(page)
+        self._pages[slot] = 0

@@ -4,12 +4,13 @@
   (native_kernel.py); near the memory-traffic floor where library calls are dominated by overhead.
 - `grouped_mm`: torch._grouped_mm (CUDA sm90+ in bf16; a C++ loop elsewhere).
 - `loop`: one pair of matmuls per segment present; always works.
-All compute y[:n] += (x @ A[slot]) @ B[slot] per segment, with scaling already folded into B.
+All compute y[:n] += (x @ A[page]) @ B[page] per segment, with scaling already folded into B. An adapter wider
+than one page (lora_layers.py) adds its pages' deltas in rounds: round j applies each adapter's j-th page.
 """
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -21,12 +22,41 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LoRABatch:
-    """How this step's tokens map to slots. Tokens [0, num_lora_tokens) carry adapters, sorted by slot."""
+    """How this step's tokens map to adapter pages, one round. Tokens [0, num_lora_tokens) carry adapters,
+    sorted by slot (an adapter's slot is its first page, so round 0 covers every such token; a later round
+    only the tokens whose adapter has that many pages, which is why only kernels that read the segments,
+    not the offsets, run later rounds)."""
 
     num_lora_tokens: int
-    offsets: torch.Tensor  # [max_loras] cumulative end of each slot's segment (on the device; int64 there)
-    segments: list[tuple[int, int, int]]  # (slot, start, end) for the non-empty segments, host-side
+    offsets: torch.Tensor  # [pages] cumulative end of each page's segment in round 0 (on the device; int64)
+    segments: list[tuple[int, int, int]]  # (page, start, end) for the non-empty segments, host-side
     segment_table: torch.Tensor  # [G, 3] int64 on the host: the same segments, for the C++ kernel
+    later_pages: list["LoRABatch"] = field(default_factory=list)  # rounds 1.. (adapters of several pages)
+    round: int = 0
+
+    def page_rounds(self) -> list["LoRABatch"]:
+        return [self, *self.later_pages]
+
+
+def lora_batch(
+    segments: list[tuple[int, int, int]], pages: list[int], offsets: torch.Tensor, num_lora_tokens: int
+) -> LoRABatch:
+    """The step's rounds from its segments (slot, start, end) sorted by slot and each one's adapter's
+    pages: round j adds page slot + j of every adapter with more than j pages."""
+    later = [
+        [(slot + j, start, end) for (slot, start, end), n in zip(segments, pages, strict=True) if n > j]
+        for j in range(1, max(pages, default=1))
+    ]
+    return LoRABatch(
+        num_lora_tokens=num_lora_tokens,
+        offsets=offsets,
+        segments=segments,
+        segment_table=torch.tensor(segments, dtype=torch.int64),
+        later_pages=[
+            LoRABatch(num_lora_tokens, offsets, part, torch.tensor(part, dtype=torch.int64), round=j)
+            for j, part in enumerate(later, start=1)
+        ],
+    )
 
 
 LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRABatch], None]
@@ -40,6 +70,9 @@ def loop_kernel(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 def grouped_mm_kernel(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
 ) -> None:
+    if batch.round:  # a later round covers some tokens only; grouped_mm's offsets cover all
+        loop_kernel(y, x, a, b, batch)
+        return
     offs = batch.offsets.to(torch.int32)  # grouped_mm takes int32 only; the step's buffer is int64
     h = torch._grouped_mm(x, a, offs=offs)  # [n, R]
     y[: batch.num_lora_tokens] += torch._grouped_mm(h, b, offs=offs).to(y.dtype)
@@ -75,7 +108,7 @@ def _probe_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def select_kernel(dtype: torch.dtype, device: torch.device, dims: set[int]) -> tuple[str, LoRAKernel]:
-    """The fastest kernel that runs here, by name. `dims`: every in/out width and the slot rank."""
+    """The fastest kernel that runs here, by name. `dims`: every in/out width and the page rank."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and _cpu_extension():
         return "sgmv_cpu", sgmv_cpu_kernel
     aligned = all(d * dtype.itemsize % 16 == 0 for d in dims)  # grouped_mm wants 16-byte strides

@@ -45,8 +45,9 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     weights_bytes: int  # the base model's parameters and buffers, as resident
-    lora_slot_bytes: int  # all slots together
-    max_loras: int  # device adapter slots (the config's, or sized from lora_memory_mb)
+    lora_slot_bytes: int  # all adapter pages together
+    lora_pages: int  # device adapter pages (the config's max_loras, or sized from lora_memory_mb)
+    lora_page_rank: int  # rank units per page
 
 
 def _quantization_config(config: EngineConfig, dtype: torch.dtype) -> BitsAndBytesConfig | None:
@@ -104,24 +105,27 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig | 
     return frozenset(ids)
 
 
-def slots_for_memory(model: nn.Module, config: EngineConfig, dtype: torch.dtype) -> int:
-    """How many adapter slots fit in lora_memory_mb: a slot is max_lora_rank x (in + out) per target."""
-    per_slot = (
+def pages_for_memory(model: nn.Module, config: EngineConfig, dtype: torch.dtype, page_rank: int) -> int:
+    """How many adapter pages fit in lora_memory_mb: a page is page_rank x (in + out) per target; at least
+    one adapter of max_lora_rank, at most 256 of them."""
+    per_page = (
         sum(
-            config.max_lora_rank * (int(getattr(m, "in_features")) + int(getattr(m, "out_features")))  # noqa: B009
+            page_rank * (int(getattr(m, "in_features")) + int(getattr(m, "out_features")))  # noqa: B009
             for name, m in model.named_modules()
             if name.rsplit(".", 1)[-1] in config.lora_target_modules
         )
         * dtype.itemsize
     )
-    slots = max(1, min(256, config.lora_memory_mb * 2**20 // max(1, per_slot)))
+    widest = -(-config.max_lora_rank // page_rank)
+    pages = max(widest, min(256 * widest, config.lora_memory_mb * 2**20 // max(1, per_page)))
     log.info(
-        "%d adapter slots of %.1f MiB fit in lora_memory_mb=%d",
-        slots,
-        per_slot / 2**20,
+        "%d adapter pages of rank %d (%.2f MiB each) fit in lora_memory_mb=%d",
+        pages,
+        page_rank,
+        per_page / 2**20,
         config.lora_memory_mb,
     )
-    return slots
+    return pages
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -154,13 +158,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
     weights_bytes = int(model.get_memory_footprint())  # type: ignore[no-untyped-call]
 
-    max_loras = config.max_loras or slots_for_memory(model, config, dtype)
+    page_rank = config.page_rank_for(device.type)
+    if config.max_loras:
+        lora_pages = config.max_loras * config.pages_per_adapter(device.type)
+    else:
+        lora_pages = pages_for_memory(model, config, dtype, page_rank)
     context = LoRAContext()
     lora_modules = wrap_lora_modules(
         model,
         targets=config.lora_target_modules,
-        max_loras=max_loras,
-        max_rank=config.max_lora_rank,
+        pages=lora_pages,
+        page_rank=page_rank,
         dtype=dtype,
         device=device,
         context=context,
@@ -191,17 +199,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
         eos_token_ids=_eos_ids(tokenizer, generation),
         weights_bytes=weights_bytes,
         lora_slot_bytes=slot_bytes,
-        max_loras=max_loras,
+        lora_pages=lora_pages,
+        lora_page_rank=page_rank,
     )
     log.info(
-        "loaded %s (%s, %s on %s): weights %.1f MiB, %d LoRA modules x %d slots = %.1f MiB",
+        "loaded %s (%s, %s on %s): weights %.1f MiB, %d LoRA modules x %d pages = %.1f MiB",
         config.model,
         config.quantization,
         dtype,
         device,
         weights_bytes / 2**20,
         len(lora_modules),
-        max_loras,
+        lora_pages,
         slot_bytes / 2**20,
     )
     return loaded

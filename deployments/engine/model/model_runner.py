@@ -27,7 +27,7 @@ class ModelRunner:
         loaded: LoadedModel,
         kv_cache: KVCache,
         *,
-        max_loras: int,
+        lora_pages: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -44,7 +44,7 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
-            max_loras=max_loras,
+            lora_pages=lora_pages,
             chunked=ops is not None and ops.paged_prefill,  # one attention launch per layer for any step
         )
         cuda = self.device.type == "cuda"

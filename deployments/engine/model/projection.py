@@ -99,6 +99,7 @@ class Projection:
         from deployments.engine.model.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
+        _one_round(lora)
         lora_delta(x, self.lora_a, self.lora_b, lora.offsets, y, splits=tuple(self.widths))
 
     def _member_lora(self, x: torch.Tensor, outs: list[torch.Tensor], lora: LoRABatch) -> None:
@@ -107,6 +108,7 @@ class Projection:
         from deployments.engine.model.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
+        _one_round(lora)
         rank = self.lora_b.shape[1]
         at = 0
         for i, (y, width) in enumerate(zip(outs, self.widths, strict=True)):
@@ -158,3 +160,9 @@ def _out_features(module: nn.Module) -> int:
     if isinstance(module, MultiLoRALinear):
         return module.out_features
     return int(getattr(module, "out_features"))  # noqa: B009  (quantized linears have no .weight shape)
+
+
+def _one_round(lora: LoRABatch) -> None:
+    """The Triton kernels read the offsets, which cover every token in round 0 only: on CUDA an adapter
+    takes one page (EngineConfig.page_rank_for refuses narrower pages there)."""
+    assert not lora.later_pages, "group LoRA kernels take adapters of one page"

@@ -22,7 +22,7 @@ import torch
 from deployments.engine.logprobs import prompt_positions
 from deployments.engine.model.attention import AttentionMetadata, PrefillSpan, StepChunks
 from deployments.engine.model.kv_cache import KVCache
-from deployments.engine.model.lora_kernels import LoRABatch
+from deployments.engine.model.lora_kernels import LoRABatch, lora_batch
 from deployments.engine.sequence import ScheduledSequence
 
 
@@ -34,7 +34,7 @@ class StepInputs:
     logits_index: torch.Tensor | None  # [N] token rows whose logits are kept; None: every row
     attention: AttentionMetadata
     lora: LoRABatch | None  # None when no token of the step carries an adapter
-    lora_ends: torch.Tensor  # [max_loras] the step's segment ends on the device (LoRABatch.offsets)
+    lora_ends: torch.Tensor  # [lora_pages] the step's round-0 segment ends on the device (LoRABatch.offsets)
     num_rows: int  # logits rows the step needs: the real (unpadded) rows of a decode bucket
 
 
@@ -77,7 +77,7 @@ class StepInputsBuilder:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        max_loras: int,
+        lora_pages: int,
         chunked: bool = False,
     ) -> None:
         """`chunked`: general steps describe every sequence as one chunk (StepChunks) for a forward whose
@@ -86,7 +86,7 @@ class StepInputsBuilder:
         self.chunked = chunked
         self.device = device
         self.block_size = kv_cache.block_size
-        self.max_loras = max_loras
+        self.lora_pages = lora_pages
         self.max_blocks = -(-max_model_len // self.block_size)  # block-table width that fits any sequence
         self.buckets = decode_buckets(max_num_seqs)
         tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -95,7 +95,7 @@ class StepInputsBuilder:
         # row plus its table and the prefill block lists (at most a full table per sequence), or 3 per chunk
         # plus its table.
         attention = seqs * (3 + self.max_blocks) if chunked else seqs * (2 + 2 * self.max_blocks)
-        general = 4 * tokens + attention + max_loras
+        general = 4 * tokens + attention + lora_pages
         bucket = self._bucket_size(self.buckets[-1])
         cuda = device.type == "cuda"
         self._host = torch.zeros(max(general, bucket), dtype=torch.int64, pin_memory=cuda)
@@ -117,7 +117,7 @@ class StepInputsBuilder:
     # -- decode buckets -------------------------------------------------------------------------------
 
     def _bucket_size(self, b: int) -> int:
-        return 4 * b + self.max_loras + b * self.max_blocks
+        return 4 * b + self.lora_pages + b * self.max_blocks
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
@@ -130,7 +130,7 @@ class StepInputsBuilder:
         return inputs
 
     def _bucket_layout(self, b: int) -> StepInputs:
-        buf, s, w = self._bucket, self.max_loras, self.max_blocks
+        buf, s, w = self._bucket, self.lora_pages, self.max_blocks
         ids, positions, slots, lens = (buf[i * b : (i + 1) * b] for i in range(4))
         ends = buf[4 * b : 4 * b + s]
         tables = buf[4 * b + s : 4 * b + s + b * w].view(b, w)
@@ -153,7 +153,7 @@ class StepInputsBuilder:
         b = self.bucket_for(n) if pad else n
         assert b is not None, f"{n} decodes exceed the largest bucket"
         view = self.bucket_inputs(b)
-        s, w, bs = self.max_loras, self.max_blocks, self.block_size
+        s, w, bs = self.lora_pages, self.max_blocks, self.block_size
         self._wait_for_last_copy()
         host = self._np
         ids, positions, slots, lens = (host[i * b : (i + 1) * b] for i in range(4))
@@ -221,7 +221,7 @@ class StepInputsBuilder:
         logits_rows[:] = rows
         write = self._write_chunks if self.chunked else self._write_spans
         attention_views = write(scheduled, lengths, starts, layout)
-        ends_at, ends = layout.take(self.max_loras)
+        ends_at, ends = layout.take(self.lora_pages)
         lora_tokens = self._segment_ends(scheduled, ends)
         self._copy(self._general, layout.cursor)
         dev = self._general
@@ -230,7 +230,7 @@ class StepInputsBuilder:
             return dev[at : at + count]
 
         attention = attention_views(view, view(slot_at, t))
-        lora_ends = view(ends_at, self.max_loras)
+        lora_ends = view(ends_at, self.lora_pages)
         return StepInputs(
             input_ids=view(ids_at, t),
             positions=view(pos_at, t),
@@ -348,9 +348,9 @@ class StepInputsBuilder:
     # -- shared ---------------------------------------------------------------------------------------
 
     def _segment_ends(self, scheduled: list[ScheduledSequence], ends: npt.NDArray[np.int64]) -> int:
-        """Cumulative token ends per slot (the scheduler sorted sequences by slot, base last); returns the
-        number of tokens that carry an adapter."""
-        per_slot = np.zeros(self.max_loras, dtype=np.int64)
+        """Cumulative token ends per slot, an adapter's first page (the scheduler sorted sequences by slot,
+        base last); returns the number of tokens that carry an adapter."""
+        per_slot = np.zeros(self.lora_pages, dtype=np.int64)
         lora_tokens = 0
         for item in scheduled:
             if item.seq.slot < 0:
@@ -366,6 +366,7 @@ class StepInputsBuilder:
         if lora_tokens == 0:
             return None
         segments: list[tuple[int, int, int]] = []
+        pages: list[int] = []  # each segment's adapter's pages
         cursor = 0
         for item in scheduled:
             slot = item.seq.slot
@@ -375,13 +376,9 @@ class StepInputsBuilder:
                 segments[-1] = (slot, segments[-1][1], cursor + item.num_tokens)
             else:
                 segments.append((slot, cursor, cursor + item.num_tokens))
+                pages.append(item.seq.lora_pages)
             cursor += item.num_tokens
-        return LoRABatch(
-            num_lora_tokens=lora_tokens,
-            offsets=offsets,
-            segments=segments,
-            segment_table=torch.tensor(segments, dtype=torch.int64),
-        )
+        return lora_batch(segments, pages, offsets, lora_tokens)
 
     def _copy(self, device_buffer: torch.Tensor, count: int) -> None:
         if device_buffer is self._host:
