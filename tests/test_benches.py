@@ -53,6 +53,7 @@ BENCHES = {
         "mask_us_per_token",
         "closing_us_per_token",
         "stall_neighbour_ratio",
+        "email_host_us_per_token",
     },
     "parsing": {"openings", "ratio_regex_vs_one_pass", "stream_s", "prompt_ids", "ratio_union_vs_validate"},
     "lm_eval_compare": {"docs", "max_abs_diff", "tolerance", "ok"},

@@ -94,9 +94,10 @@ class EngineConfig(BaseModel):
         ge=1,
         le=256,
         description=(
-            "Rank units in one page of adapter memory: an adapter of rank r takes ceil(r / page) pages, each "
-            "page one more kernel pass per step. Unset: 8 (or max_lora_rank if smaller) on CPU; "
-            "max_lora_rank on CUDA, whose Triton LoRA kernels and decode graphs take one page an adapter."
+            "Rank units in one page of adapter memory: an adapter of rank r takes ceil(r / page) pages (the "
+            "last padded with zeros), so narrower pages waste less memory. Unset: 16 (or max_lora_rank if "
+            "smaller) on CPU; max_lora_rank on CUDA, whose Triton LoRA kernels and decode graphs take one "
+            "page an adapter."
         ),
     )
     max_cpu_loras: int = Field(default=32, ge=1, description="Adapters kept in CPU memory (LRU).")
@@ -323,7 +324,7 @@ class EngineConfig(BaseModel):
                     "on CPU engines only: the CUDA LoRA kernels take an adapter of one page"
                 )
             return self.max_lora_rank
-        return self.lora_page_rank or min(8, self.max_lora_rank)
+        return self.lora_page_rank or min(16, self.max_lora_rank)
 
     def pages_per_adapter(self, device_type: str) -> int:
         """Pages of an adapter of max_lora_rank."""

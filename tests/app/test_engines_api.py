@@ -79,8 +79,8 @@ def test_the_view_shows_the_deepest_adapter_queues_and_the_slot_rotation(
     assert (shown["adapter_queue_other"], shown["adapters_queued"]) == (1, 3)
     assert shown["adapter_rotation"] == [str(y), str(z)]
     assert shown["resident_ranks"] == {str(x): rank} and shown["resident_by_rank"] == {str(rank): 1}
-    # One slot's memory (max_loras 1 of max_lora_rank 16) in pages of 8: x's rank takes its share of them.
-    assert shown["adapter_pages"] == {"total": 2, "in_use": -(-rank // 8), "page_rank": 8}
+    # One slot's memory (max_loras 1 of max_lora_rank 16) in one page of 16 (the CPU's default page rank).
+    assert shown["adapter_pages"] == {"total": 1, "in_use": 1, "page_rank": 16}
 
 
 def served_name(served: Served, tenant_id: str) -> str:

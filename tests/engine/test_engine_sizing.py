@@ -40,17 +40,17 @@ def test_unset_max_loras_sizes_the_adapter_pages_from_lora_memory_mb(
     caplog.set_level(logging.INFO)
     engine = make_engine(llama, max_loras=None, lora_memory_mb=1)
     modules = engine.loaded.lora_modules.values()
-    per_page = sum(8 * (m.in_features + m.out_features) for m in modules) * 4  # pages of rank 8, fp32
-    assert engine.loaded.lora_page_rank == 8
+    per_page = sum(16 * (m.in_features + m.out_features) for m in modules) * 4  # pages of rank 16, fp32
+    assert engine.loaded.lora_page_rank == 16
     assert engine.loaded.lora_pages == engine.adapters.slots.num_slots == 2**20 // per_page
     assert engine.loaded.lora_slot_bytes == per_page * engine.loaded.lora_pages
     assert "compute dtype torch.float32 (set in the config)" in caplog.text
     engine.close()
     big = make_engine(llama, max_loras=None, lora_memory_mb=100_000)
-    assert big.adapters.slots.num_slots == 256 * 2  # capped: 256 adapters of max_lora_rank 16
+    assert big.adapters.slots.num_slots == 256  # capped: 256 adapters of max_lora_rank 16
     big.close()
-    two = make_engine(llama, max_loras=2)  # the memory of two adapters of max_lora_rank
-    assert two.adapters.slots.num_slots == 4
+    two = make_engine(llama, max_loras=2, lora_page_rank=4)  # the memory of two adapters of max_lora_rank
+    assert two.adapters.slots.num_slots == 8
     two.close()
 
 

@@ -140,7 +140,9 @@ class AdapterManager:
                 self._prefetch(ref)  # beyond the planned lookahead a load would only evict a nearer need
             return None
         keep = self._settling if not batch else lambda s: self._settling(s) or self._for_interactive(s)
-        pages = pages_for_rank(max(w.a.shape[0] for w in weights.modules.values()), self.page_rank)
+        pages = pages_for_rank(
+            max((w.a.shape[0] for w in weights.modules.values()), default=1), self.page_rank
+        )
         slot = self.slots.claim(ref, score=lambda held: self._demand[held], keep=keep, pages=pages)
         if slot is None:
             self._cold.add(ref)

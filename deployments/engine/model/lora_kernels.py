@@ -5,7 +5,9 @@
 - `grouped_mm`: torch._grouped_mm (CUDA sm90+ in bf16; a C++ loop elsewhere).
 - `loop`: one pair of matmuls per segment present; always works.
 All compute y[:n] += (x @ A[page]) @ B[page] per segment, with scaling already folded into B. An adapter wider
-than one page (lora_layers.py) adds its pages' deltas in rounds: round j applies each adapter's j-th page.
+than one page (lora_layers.py) is a run of pages: the C++ kernel takes each run whole (shrinking page by page
+into one h, expanding once over the run's stacked B), the others add the pages' deltas in rounds (round j
+applies each adapter's j-th page).
 """
 
 import logging
@@ -25,14 +27,13 @@ class LoRABatch:
     """How this step's tokens map to adapter pages, one round. Tokens [0, num_lora_tokens) carry adapters,
     sorted by slot (an adapter's slot is its first page, so round 0 covers every such token; a later round
     only the tokens whose adapter has that many pages, which is why only kernels that read the segments,
-    not the offsets, run later rounds)."""
+    not the offsets, run later rounds). Round 0's segment_table also gives each run's pages."""
 
     num_lora_tokens: int
     offsets: torch.Tensor  # [pages] cumulative end of each page's segment in round 0 (on the device; int64)
     segments: list[tuple[int, int, int]]  # (page, start, end) for the non-empty segments, host-side
-    segment_table: torch.Tensor  # [G, 3] int64 on the host: the same segments, for the C++ kernel
+    segment_table: torch.Tensor  # [G, 3] or [G, 4] int64 on the host: the same, [+ run pages], for C++
     later_pages: list["LoRABatch"] = field(default_factory=list)  # rounds 1.. (adapters of several pages)
-    round: int = 0
 
     def page_rounds(self) -> list["LoRABatch"]:
         return [self, *self.later_pages]
@@ -47,14 +48,14 @@ def lora_batch(
         [(slot + j, start, end) for (slot, start, end), n in zip(segments, pages, strict=True) if n > j]
         for j in range(1, max(pages, default=1))
     ]
+    runs = [(*segment, n) for segment, n in zip(segments, pages, strict=True)]
     return LoRABatch(
         num_lora_tokens=num_lora_tokens,
         offsets=offsets,
         segments=segments,
-        segment_table=torch.tensor(segments, dtype=torch.int64),
+        segment_table=torch.tensor(runs, dtype=torch.int64).reshape(-1, 4),
         later_pages=[
-            LoRABatch(num_lora_tokens, offsets, part, torch.tensor(part, dtype=torch.int64), round=j)
-            for j, part in enumerate(later, start=1)
+            LoRABatch(num_lora_tokens, offsets, part, torch.tensor(part, dtype=torch.int64)) for part in later
         ],
     )
 
@@ -63,19 +64,20 @@ LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, L
 
 
 def loop_kernel(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
-    for slot, start, end in batch.segments:
-        y[start:end] += ((x[start:end] @ a[slot]) @ b[slot]).to(y.dtype)
+    for part in batch.page_rounds():
+        for slot, start, end in part.segments:
+            y[start:end] += ((x[start:end] @ a[slot]) @ b[slot]).to(y.dtype)
 
 
 def grouped_mm_kernel(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch
 ) -> None:
-    if batch.round:  # a later round covers some tokens only; grouped_mm's offsets cover all
-        loop_kernel(y, x, a, b, batch)
-        return
     offs = batch.offsets.to(torch.int32)  # grouped_mm takes int32 only; the step's buffer is int64
     h = torch._grouped_mm(x, a, offs=offs)  # [n, R]
     y[: batch.num_lora_tokens] += torch._grouped_mm(h, b, offs=offs).to(y.dtype)
+    for part in batch.later_pages:  # a later round covers some tokens only; grouped_mm's offsets cover all
+        for slot, start, end in part.segments:
+            y[start:end] += ((x[start:end] @ a[slot]) @ b[slot]).to(y.dtype)
 
 
 def _cpu_extension() -> ModuleType | None:
@@ -91,7 +93,7 @@ def sgmv_cpu_kernel(
     if x.dtype != y.dtype:  # quantized bases may return another dtype than their input
         loop_kernel(y, x, a, b, batch)
         return
-    ext.sgmv(y, x.contiguous(), a, b, batch.segment_table)
+    ext.sgmv(y, x.contiguous(), a, b, batch.segment_table)  # every run whole, one call
 
 
 def _probe_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:

@@ -6,8 +6,8 @@ being the first, the last padded with zeros (so padding adds nothing); adapter m
 the resident ranks, not a count of max-rank slots (S-LoRA's unified paging, with runs instead of scattered
 pages: the kernels keep reading one page per segment). The model runner orders a step's tokens by slot
 (base-model tokens last), so each slot's tokens are one contiguous segment and the delta is a segmented
-(SGMV-like) matmul per page round (round j adds each adapter's j-th page); lora_kernels.py picks the
-implementation for the device and dtype.
+(SGMV-like) matmul over each adapter's run of pages; lora_kernels.py picks the implementation for the device
+and dtype.
 MLP linears never see forward kwargs, so all layers read the step's segments from one shared LoRAContext
 that the engine owns (no module-level global: two engines in one process stay independent).
 """
@@ -72,8 +72,7 @@ class MultiLoRALinear(nn.Module):
         y2 = y.view(-1, self.out_features)  # [T, out]
         if x2.dtype != self.lora_a.dtype:  # quantized bases may compute in another dtype
             x2 = x2.to(self.lora_a.dtype)
-        for part in batch.page_rounds():
-            self._context.kernel(y2, x2, self.lora_a, self.lora_b, part)
+        self._context.kernel(y2, x2, self.lora_a, self.lora_b, batch)
         return y
 
     @torch.no_grad()

@@ -1,4 +1,7 @@
 // Segmented multi-LoRA delta on CPU: y[t] += (x[t] @ A[s]) @ B[s] for every token t of segment (s, start, end).
+// An adapter wider than one page (lora_layers.py) is a run of `pages` consecutive pages from s: its A is the
+// pages' A side by side (each [in, R], R the page rank), its B the pages' B stacked ([pages x R, out], one
+// contiguous block), so the task reads each row of A from every page into one vector and expands once.
 //
 // Decode: a few tokens per adapter, so each segment's work is two tiny matmuls whose cost is reading A[s] and
 // B[s] from memory (16 rank-16 adapters on all linears of a 150M model: ~145 MB per step in fp32, against
@@ -16,6 +19,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -51,13 +55,18 @@ inline at::BFloat16 from_float<at::BFloat16>(float v) {
   return at::BFloat16(out, at::BFloat16::from_bits());
 }
 
-// One segment's rows [start, end): y[t] += (x[t] @ A) @ B, tokens in blocks of kTokenBlock. R > 0 is the rank
-// known at compile time (the loops over it then compile to straight vector code: with a runtime bound of 16,
-// loop control costs more than the one vector op it controls); R == 0 reads it from `runtime_rank`.
-template <typename T, int64_t R>
+// One segment's rows [start, end): y[t] += (x[t] @ A) @ B, tokens in blocks of kTokenBlock, for a run of `pages`
+// pages of `page_rank` each. R > 0 is the run's whole rank known at compile time (the loops over it then compile
+// to straight vector code: with a runtime bound of 16, loop control costs more than the one vector op it
+// controls); R == 0 reads it as pages x page_rank. Row i of the run's A is its pages' rows i side by side,
+// gathered into one vector, so a run costs what one adapter of its rank in one slot would; P > 0 is the page
+// rank known at compile time, for the gather's loops.
+template <typename T, int64_t R, int64_t P>
 void segment_delta(T* yp, const T* xp, const T* as, const T* bs, int64_t start, int64_t end, int64_t in,
-                   int64_t runtime_rank, int64_t out) {
-  const int64_t rank = R > 0 ? R : runtime_rank;
+                   int64_t runtime_page_rank, int64_t out, int64_t pages) {
+  const int64_t page_rank = P > 0 ? P : runtime_page_rank;
+  const int64_t rank = R > 0 ? R : pages * page_rank;
+  const int64_t page_stride = in * page_rank;  // elements between one page's A and the next's
   alignas(64) float h[kTokenBlock][kMaxRank];
   alignas(64) float acc[kTokenBlock][kColumnChunk];
   for (int64_t t0 = start; t0 < end; t0 += kTokenBlock) {
@@ -73,11 +82,24 @@ void segment_delta(T* yp, const T* xp, const T* as, const T* bs, int64_t start, 
     alignas(64) float fa1[kMaxRank];
     int64_t i = 0;
     for (; i + 1 < in; i += 2) {  // each row of A widened once, then used by every token of the block
-      const T* a0 = as + i * rank;
+      if (pages == 1) {
+        const T* a0 = as + i * rank;
 #pragma omp simd
-      for (int64_t r = 0; r < rank; ++r) {
-        fa0[r] = to_float(a0[r]);
-        fa1[r] = to_float(a0[rank + r]);
+        for (int64_t r = 0; r < rank; ++r) {
+          fa0[r] = to_float(a0[r]);
+          fa1[r] = to_float(a0[rank + r]);
+        }
+      } else {
+        for (int64_t page = 0; page < pages; ++page) {
+          const T* a0 = as + page * page_stride + i * page_rank;
+          float* f0 = fa0 + page * page_rank;
+          float* f1 = fa1 + page * page_rank;
+#pragma omp simd
+          for (int64_t r = 0; r < page_rank; ++r) {
+            f0[r] = to_float(a0[r]);
+            f1[r] = to_float(a0[page_rank + r]);
+          }
+        }
       }
       for (int64_t t = 0; t < nt; ++t) {
         const T* xr = xp + (t0 + t) * in;
@@ -92,12 +114,15 @@ void segment_delta(T* yp, const T* xp, const T* as, const T* bs, int64_t start, 
       }
     }
     for (; i < in; ++i) {
-      const T* a0 = as + i * rank;
+      for (int64_t page = 0; page < pages; ++page) {
+        const T* a0 = as + page * page_stride + i * page_rank;
+        for (int64_t r = 0; r < page_rank; ++r) fa0[page * page_rank + r] = to_float(a0[r]);
+      }
       for (int64_t t = 0; t < nt; ++t) {
         const float x0 = to_float(xp[(t0 + t) * in + i]);
         float* ht = h[t];
 #pragma omp simd
-        for (int64_t r = 0; r < rank; ++r) ht[r] += x0 * to_float(a0[r]);
+        for (int64_t r = 0; r < rank; ++r) ht[r] += x0 * fa0[r];
       }
     }
     for (int64_t t = 0; t < nt; ++t) {
@@ -135,11 +160,11 @@ void segment_delta(T* yp, const T* xp, const T* as, const T* bs, int64_t start, 
   }
 }
 
-template <typename T, int64_t R>
-void sgmv_small_rank(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-                const std::vector<std::array<int64_t, 3>>& segs) {
+template <typename T>
+void sgmv_small(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
+                const std::vector<std::array<int64_t, 4>>& segs) {
   if (segs.empty()) return;
-  const int64_t in = x.size(1), rank = a.size(2), out = b.size(2);
+  const int64_t in = x.size(1), page_rank = a.size(2), out = b.size(2);
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
   const T* bp = b.data_ptr<T>();
@@ -148,21 +173,28 @@ void sgmv_small_rank(const torch::Tensor& y, const torch::Tensor& x, const torch
   at::parallel_for(0, static_cast<int64_t>(segs.size()), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const auto& s = segs[g];
-      segment_delta<T, R>(yp, xp, ap + s[0] * in * rank, bp + s[0] * rank * out, s[1], s[2], in, rank, out);
+      const T* const as = ap + s[0] * in * page_rank;
+      const T* const bs = bp + s[0] * page_rank * out;
+      const auto run = [&](auto rank, auto page) {
+        segment_delta<T, decltype(rank)::value, decltype(page)::value>(yp, xp, as, bs, s[1], s[2], in, page_rank,
+                                                                         out, s[3]);
+      };
+      const auto with_page = [&](auto rank) {
+        switch (page_rank) {  // the page rank: the usual ones get straight-line gathers
+          case 8: return run(rank, std::integral_constant<int64_t, 8>{});
+          case 16: return run(rank, std::integral_constant<int64_t, 16>{});
+          default: return run(rank, std::integral_constant<int64_t, 0>{});
+        }
+      };
+      switch (s[3] * page_rank) {  // the run's rank: the usual ones get straight-line code
+        case 8: with_page(std::integral_constant<int64_t, 8>{}); break;
+        case 16: with_page(std::integral_constant<int64_t, 16>{}); break;
+        case 32: with_page(std::integral_constant<int64_t, 32>{}); break;
+        case 64: with_page(std::integral_constant<int64_t, 64>{}); break;
+        default: with_page(std::integral_constant<int64_t, 0>{}); break;
+      }
     }
   });
-}
-
-template <typename T>
-void sgmv_small(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-                const std::vector<std::array<int64_t, 3>>& segs) {
-  switch (a.size(2)) {  // the slot rank (max_lora_rank): the usual ones get straight-line code
-    case 8: return sgmv_small_rank<T, 8>(y, x, a, b, segs);
-    case 16: return sgmv_small_rank<T, 16>(y, x, a, b, segs);
-    case 32: return sgmv_small_rank<T, 32>(y, x, a, b, segs);
-    case 64: return sgmv_small_rank<T, 64>(y, x, a, b, segs);
-    default: return sgmv_small_rank<T, 0>(y, x, a, b, segs);
-  }
 }
 
 // A long segment as GEMMs of power-of-two heights >= kDenseChunk rows: oneDNN (bf16, AMX) builds a primitive
@@ -191,24 +223,39 @@ void dense_segment(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor
   y.narrow(0, row, end - row).add_(delta.narrow(0, row - window, end - row));
 }
 
+// A run's A side by side, [in, pages x R] (a copy: its pages are [in, R] blocks), and its B, [pages x R, out] (a
+// view: the pages' B are one block), for the GEMM path.
+std::pair<torch::Tensor, torch::Tensor> run_matrices(const torch::Tensor& a, const torch::Tensor& b, int64_t slot,
+                                                     int64_t pages) {
+  if (pages == 1) return {a[slot], b[slot]};
+  const auto run_a = a.narrow(0, slot, pages).permute({1, 0, 2}).reshape({a.size(1), pages * a.size(2)});
+  return {run_a, b.narrow(0, slot, pages).reshape({pages * b.size(1), b.size(2)})};
+}
+
 }  // namespace
 
-// y [T, out] (rows [0, n) updated in place), x [n, in], a [S, in, R], b [S, R, out], segments [G, 3] int64.
+// y [T, out] (rows [0, n) updated in place), x [n, in], a [S, in, R], b [S, R, out], segments [G, 3] or [G, 4]
+// int64: (slot, start, end[, pages]), pages 1 when absent.
 void sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor segments) {
   TORCH_CHECK(x.is_contiguous() && a.is_contiguous() && b.is_contiguous() && y.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(x.scalar_type() == a.scalar_type() && a.scalar_type() == b.scalar_type() &&
               b.scalar_type() == y.scalar_type(), "one dtype for x, A, B and y");
   TORCH_CHECK(a.size(2) <= kMaxRank, "rank above ", kMaxRank);
   TORCH_CHECK(segments.scalar_type() == torch::kInt64 && segments.is_contiguous(), "segments: contiguous int64");
+  const int64_t cols = segments.dim() == 2 ? segments.size(1) : 3;
+  TORCH_CHECK(segments.size(0) == 0 || cols == 3 || cols == 4, "segments: [G, 3] or [G, 4]");
   const auto* sp = segments.data_ptr<int64_t>();
-  std::vector<std::array<int64_t, 3>> small;
+  std::vector<std::array<int64_t, 4>> small;
   small.reserve(static_cast<size_t>(segments.size(0)));
   for (int64_t g = 0; g < segments.size(0); ++g) {
-    const int64_t slot = sp[3 * g], start = sp[3 * g + 1], end = sp[3 * g + 2];
+    const int64_t slot = sp[cols * g], start = sp[cols * g + 1], end = sp[cols * g + 2];
+    const int64_t pages = cols == 4 ? sp[cols * g + 3] : 1;
+    TORCH_CHECK(pages >= 1 && slot + pages <= a.size(0) && pages * a.size(2) <= kMaxRank, "a run out of range");
     if (end - start >= kDenseSegment) {
-      dense_segment(y, x, a[slot], b[slot], start, end);
+      const auto [run_a, run_b] = run_matrices(a, b, slot, pages);
+      dense_segment(y, x, run_a, run_b, start, end);
     } else if (end > start) {
-      small.push_back({slot, start, end});
+      small.push_back({slot, start, end, pages});
     }
   }
   if (x.scalar_type() == torch::kFloat32) {
