@@ -326,6 +326,21 @@ def test_a_wide_claim_evicts_the_cheapest_window_of_idle_adapters() -> None:
     check_runs(table)
 
 
+def test_free_pages_between_busy_runs_are_no_run_for_a_wide_adapter() -> None:
+    table = SlotTable(5)
+    runs = [loaded(table, AdapterRef(f"n{i}", 1), users=1) for i in range(5)]
+    for slot in (runs[1], runs[3]):  # pages 1 and 3 free, between busy ones: 2 pages free, no run of 2
+        table.release(slot)
+        table.remove(table._ref_at(slot).adapter_id)
+    assert table.num_free == 2
+    assert table.can_claim(1) and not table.can_claim(2)
+    assert table.claim(A, pages=2) is None
+    table.release(runs[2])  # idle now: a window of pages 1-3 opens by evicting it
+    assert table.can_claim(3) and not table.can_claim(3, keep=lambda s: s == runs[2])
+    assert table.claim(A, pages=3) == 1
+    check_runs(table)
+
+
 def test_a_drained_run_frees_all_its_pages() -> None:
     table = SlotTable(4)
     a = loaded(table, A, users=1, pages=3)

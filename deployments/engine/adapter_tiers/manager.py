@@ -256,9 +256,11 @@ class AdapterManager:
             )
         busy = [s for s in self.slots.drainable() if not self._settling(s) and not spared(s)]
         narrowest = min(map(self.pages_for, self._cold), default=0)
-        if self._cold and self.slots.num_draining == 0 and self.claimable() < narrowest and busy:
-            # Every busy slot has queued requests: drain the least wanted anyway, so nobody starves (the
-            # head of the rotation gets it, whether or not a row is free for it yet).
+        stuck = self._cold and not self.slots.can_claim(narrowest, keep=self._settling)
+        if stuck and self.slots.num_draining == 0 and busy:
+            # No cold adapter finds a run (every busy slot has queued requests, or the free pages lie between
+            # busy runs): drain the least wanted anyway, so nobody starves (the head of the rotation gets it,
+            # whether or not a row is free for it yet).
             self.slots.start_draining(
                 min(
                     busy,

@@ -93,6 +93,10 @@ class SlotTable:
         self.loads += 1
         return slot
 
+    def can_claim(self, pages: int, keep: Callable[[int], bool] | None = None) -> bool:
+        """Whether a claim of `pages` would find a run now (free pages, or idle ones not kept)."""
+        return self._free_run(pages) is not None or self._evictable_window(pages, None, keep) is not None
+
     def _free_run(self, pages: int) -> int | None:
         """The start of the narrowest run of free pages at least `pages` long (the lowest such start)."""
         best: tuple[int, int] | None = None  # (run length, start)
