@@ -166,7 +166,9 @@ async def serve_ttfts(
 
 def flood_body(model: str, output_tokens: int) -> dict[str, Any]:
     n = next(_ids)  # distinct openings: no prefix-cache hits
-    prompt = f"row {n}: " + "the quick brown fox jumps over the lazy dog " * 20  # ~200 tokens
+    # ~400 tokens, or a few when the outputs are long: within the tiny model's 1,024-token context
+    repeats = 20 if output_tokens <= 512 else 0
+    prompt = f"row {n}: " + "the quick brown fox jumps over the lazy dog " * repeats
     return {"model": model, "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True,
             "temperature": 0.0}  # fmt: skip
 
