@@ -256,7 +256,7 @@ class LLMEngine:
             resident_ranks=self._resident_ranks(),
             adapter_pages={
                 "total": slots.num_slots,
-                "in_use": slots.num_slots - len(slots.free_pages()),
+                "in_use": slots.num_slots - slots.free_pages,
                 "page_rank": self.adapters.page_rank,
             },
             **queues,

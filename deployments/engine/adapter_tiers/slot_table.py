@@ -175,8 +175,9 @@ class SlotTable:
         self._draining.discard(slot)
         return True
 
-    def free_pages(self) -> list[int]:
-        return sorted(self._free)
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
 
     @property
     def draining_pages(self) -> int:

@@ -24,19 +24,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LoRABatch:
-    """How this step's tokens map to adapter pages, one round. Tokens [0, num_lora_tokens) carry adapters,
-    sorted by slot (an adapter's slot is its first page, so round 0 covers every such token; a later round
-    only the tokens whose adapter has that many pages, which is why only kernels that read the segments,
-    not the offsets, run later rounds). Round 0's segment_table also gives each run's pages."""
+    """How this step's tokens map to adapter pages. Tokens [0, num_lora_tokens) carry adapters, sorted by
+    slot (an adapter's slot is its first page, so round 0, the offsets and `segments`, covers every such
+    token; a later round only the tokens whose adapter has that many pages, which is why only kernels that
+    read segments, not the offsets, run later rounds). segment_table also gives each run's pages."""
 
     num_lora_tokens: int
     offsets: torch.Tensor  # [pages] cumulative end of each page's segment in round 0 (on the device; int64)
     segments: list[tuple[int, int, int]]  # (page, start, end) for the non-empty segments, host-side
     segment_table: torch.Tensor  # [G, 3] or [G, 4] int64 on the host: the same, [+ run pages], for C++
-    later_pages: list["LoRABatch"] = field(default_factory=list)  # rounds 1.. (adapters of several pages)
+    later_pages: list[list[tuple[int, int, int]]] = field(default_factory=list)  # rounds 1..: their segments
 
-    def page_rounds(self) -> list["LoRABatch"]:
-        return [self, *self.later_pages]
+    def page_rounds(self) -> list[list[tuple[int, int, int]]]:
+        return [self.segments, *self.later_pages]
 
 
 def lora_batch(
@@ -54,19 +54,23 @@ def lora_batch(
         offsets=offsets,
         segments=segments,
         segment_table=torch.tensor(runs, dtype=torch.int64).reshape(-1, 4),
-        later_pages=[
-            LoRABatch(num_lora_tokens, offsets, part, torch.tensor(part, dtype=torch.int64)) for part in later
-        ],
+        later_pages=later,
     )
 
 
 LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRABatch], None]
 
 
+def _add_segments(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: list[tuple[int, int, int]]
+) -> None:
+    for page, start, end in segments:
+        y[start:end] += ((x[start:end] @ a[page]) @ b[page]).to(y.dtype)
+
+
 def loop_kernel(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
-    for part in batch.page_rounds():
-        for slot, start, end in part.segments:
-            y[start:end] += ((x[start:end] @ a[slot]) @ b[slot]).to(y.dtype)
+    for segments in batch.page_rounds():
+        _add_segments(y, x, a, b, segments)
 
 
 def grouped_mm_kernel(
@@ -75,9 +79,8 @@ def grouped_mm_kernel(
     offs = batch.offsets.to(torch.int32)  # grouped_mm takes int32 only; the step's buffer is int64
     h = torch._grouped_mm(x, a, offs=offs)  # [n, R]
     y[: batch.num_lora_tokens] += torch._grouped_mm(h, b, offs=offs).to(y.dtype)
-    for part in batch.later_pages:  # a later round covers some tokens only; grouped_mm's offsets cover all
-        for slot, start, end in part.segments:
-            y[start:end] += ((x[start:end] @ a[slot]) @ b[slot]).to(y.dtype)
+    for segments in batch.later_pages:  # later rounds cover some tokens only; grouped_mm's offsets cover all
+        _add_segments(y, x, a, b, segments)
 
 
 def _cpu_extension() -> ModuleType | None:
