@@ -146,9 +146,14 @@ def test_queue_tier_waits_in_arrival_order_then_gives_up(served: Served) -> None
         finished.append(i)
 
     threads = [threading.Thread(target=waiter, args=(i,)) for i in range(3)]
-    for thread in threads:
+    for arrived, thread in enumerate(threads, start=1):
         thread.start()
-        time.sleep(0.2)  # arrival order 0, 1, 2, all waiting behind the held lease
+        # Arrival order 0, 1, 2, all waiting behind the held lease: the next starts once this one
+        # queued (a fixed sleep let a loaded CI machine reorder the arrivals themselves).
+        deadline = time.monotonic() + 10
+        while asyncio.run(served.services.limiter.peek(tenant_id)).queued != arrived:
+            assert time.monotonic() < deadline, f"waiter {arrived - 1} never queued"
+            time.sleep(0.02)
     assert finished == []
     asyncio.run(served.services.limiter.release(tenant_id, holder, 1))
     for thread in threads:
