@@ -17,7 +17,7 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, fields
+from dataclasses import fields
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,13 @@ from app.private_files import create_private_file
 from billing.usage import UsageRecord
 
 _DATETIME_FIELDS = {"started_at", "finished_at"}
+_FIELDS = tuple(f.name for f in fields(UsageRecord))
 _INSERT = "INSERT OR IGNORE INTO outbox (request_id, body) VALUES (?, ?)"
 
 
 def _encode(record: UsageRecord) -> str:
-    data = asdict(record)
+    # Its fields are flat scalars: read them, not `asdict`, which deep-copies each (~0.2 ms a request).
+    data = {name: getattr(record, name) for name in _FIELDS}
     for name in _DATETIME_FIELDS:
         data[name] = data[name].isoformat()
     return json.dumps(data)
@@ -40,8 +42,7 @@ def _decode(text: str) -> UsageRecord:
     data: dict[str, Any] = json.loads(text)
     for name in _DATETIME_FIELDS:
         data[name] = datetime.fromisoformat(data[name])
-    known = {f.name for f in fields(UsageRecord)}
-    return UsageRecord(**{k: v for k, v in data.items() if k in known})
+    return UsageRecord(**{k: v for k, v in data.items() if k in _FIELDS})
 
 
 class Outbox:

@@ -12,7 +12,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -21,7 +21,7 @@ from app.completions.delivery import respond
 from app.completions.engine_stream import uncancellable
 from app.completions.lifecycle import RequestLifecycle
 from app.completions.plan import RequestPlan, plan_chat
-from app.deps import ReaderDep, RequestIdDep, ServicesDep, TenantDep
+from app.deps import ReaderDep, ServicesDep
 from app.errors import APIError, InvalidParameter, NotFound, StorageQuotaExceeded
 from app.files.store import FileStore
 from app.responses.conversation import PARAMS, Conversation, with_ids
@@ -29,7 +29,7 @@ from app.responses.objects import ResponseObject
 from app.responses.renderer import ResponsesRenderer
 from app.responses.request import ResponseRequest
 from app.responses.store import MAX_DEPTH, ResponseStore, Stored
-from app.routes.guarded import TenantRoute, admits
+from app.routes.guarded import BEARER_HEADER, TenantRoute, admits, tenant_call
 from app.services import Services
 from app.settings import Settings
 from app.storage import stored_bytes
@@ -52,13 +52,12 @@ def _missing(response_id: str, param: str | None = None) -> NotFound:
     return NotFound(f"No response with id '{response_id[:64]}' was found.", param=param)
 
 
-@router.post("/responses", response_model=None)
+@router.post("/responses", response_model=None, openapi_extra=BEARER_HEADER)
 @admits
-async def create_response(
-    body: ResponseRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
-) -> JSONResponse | StreamingResponse:
+async def create_response(body: ResponseRequest, request: Request) -> JSONResponse | StreamingResponse:
+    call = tenant_call(request)
     try:
-        return await _create(body, principal, services, request_id)
+        return await _create(body, call.principal, call.services, call.request_id)
     except APIError as error:
         raise responses_param(error) from None
 

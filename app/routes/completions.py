@@ -1,7 +1,7 @@
 """POST /v1/chat/completions and /v1/completions: each body planned (app/completions/plan.py), run
 through the request lifecycle and answered in its API's shape."""
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.completions.chat_renderer import ChatRenderer
@@ -9,8 +9,7 @@ from app.completions.completion_renderer import CompletionRenderer
 from app.completions.delivery import respond
 from app.completions.lifecycle import RequestLifecycle
 from app.completions.plan import plan_chat, plan_completion
-from app.deps import RequestIdDep, ServicesDep, TenantDep
-from app.routes.guarded import TenantRoute, admits
+from app.routes.guarded import BEARER_HEADER, TenantRoute, admits, tenant_call
 from app.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 router = APIRouter(prefix="/v1", tags=["inference"], route_class=TenantRoute)
@@ -24,23 +23,21 @@ def _usage_options(body: SamplingFields) -> dict[str, bool]:
     }
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, openapi_extra=BEARER_HEADER)
 @admits
-async def chat_completions(
-    body: ChatCompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
-) -> JSONResponse | StreamingResponse:
-    plan = await plan_chat(body, principal, services)
-    life = RequestLifecycle.begin(services, principal, plan, request_id, stream=body.stream)
-    renderer = ChatRenderer.for_plan(request_id, plan, **_usage_options(body))
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    call = tenant_call(request)
+    plan = await plan_chat(body, call.principal, call.services)
+    life = RequestLifecycle.begin(call.services, call.principal, plan, call.request_id, stream=body.stream)
+    renderer = ChatRenderer.for_plan(call.request_id, plan, **_usage_options(body))
     return await respond(life, renderer, stream=body.stream)
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, openapi_extra=BEARER_HEADER)
 @admits
-async def completions(
-    body: CompletionRequest, principal: TenantDep, services: ServicesDep, request_id: RequestIdDep
-) -> JSONResponse | StreamingResponse:
-    plan = await plan_completion(body, principal, services)
-    life = RequestLifecycle.begin(services, principal, plan, request_id, stream=body.stream)
-    renderer = CompletionRenderer.for_plan(request_id, plan, **_usage_options(body))
+async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    call = tenant_call(request)
+    plan = await plan_completion(body, call.principal, call.services)
+    life = RequestLifecycle.begin(call.services, call.principal, plan, call.request_id, stream=body.stream)
+    renderer = CompletionRenderer.for_plan(call.request_id, plan, **_usage_options(body))
     return await respond(life, renderer, stream=body.stream)

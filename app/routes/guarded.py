@@ -10,6 +10,7 @@ asking the limiter (app/limits/refusal_cache.py).
 """
 
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
@@ -17,16 +18,50 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from app import log_context
+from app.auth.authenticator import Principal
 from app.auth.client_address import client_of
 from app.completions.admission import Admission, refused_before_parsing
 from app.errors import APIError
 from app.middleware import request_id_of
+from app.services import Services
 
 REFUSED_FOR_INPUT = {400, 404, 422}  # the request itself was wrong: it still counts against RPM
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 _ADMITS = "_loraplex_admits"
+
+
+# What FastAPI documents for the `authorization: Header()` of app/deps.py's get_principal, for routes that
+# read their caller with `tenant_call` instead: the route class reads the header either way.
+BEARER_HEADER: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "authorization",
+            "in": "header",
+            "required": False,
+            "schema": {"anyOf": [{"type": "string"}, {"type": "null"}], "title": "Authorization"},
+        }
+    ]
+}
+
+
+@dataclass(frozen=True)
+class TenantCall:
+    """Who called an admitting route, with what, under which request id."""
+
+    principal: Principal
+    services: Services
+    request_id: str
+
+
+def tenant_call(request: Request) -> TenantCall:
+    """The caller of a TenantRoute endpoint, read straight from the request. The engine routes (chat,
+    completions, responses) use it instead of three FastAPI dependencies, whose solving cost ~0.4 ms a
+    request on a 2-core EPYC: a fifth of the whole ingress's work (bench.gateway)."""
+    return TenantCall(
+        request.state.principal, request.app.state.services, request_id_of(request.scope["state"])
+    )
 
 
 def admits(endpoint: Endpoint) -> Endpoint:
