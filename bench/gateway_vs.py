@@ -17,6 +17,7 @@ object, `ratio_vs_rev` being this tree's time over the revision's.
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -154,10 +155,13 @@ def checkout(rev: str, into: Path) -> str:
 
 def start(tree: Path, model_dir: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir)],
         cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def ready(process: subprocess.Popen[str], tree: Path) -> subprocess.Popen[str]:
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith("ready "):
@@ -183,8 +187,11 @@ def compare(rev: str, turns: int, per_turn: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gateway-vs-rev-") as scratch:
         other = Path(scratch)
         commit = checkout(rev, other)
-        servers = {"rev": start(other, model_dir), "this": start(ROOT, model_dir)}
+        trees = {"rev": other, "this": ROOT}
+        servers = {side: start(tree, model_dir) for side, tree in trees.items()}  # both start at once
         try:
+            for side, tree in trees.items():
+                ready(servers[side], tree)
             samples: dict[str, dict[str, list[float]]] = {side: {k: [] for k in KINDS} for side in servers}
             ratios: dict[str, list[float]] = {k: [] for k in KINDS}
             for i in range(turns):
@@ -199,10 +206,14 @@ def compare(rev: str, turns: int, per_turn: int) -> dict[str, Any]:
                     )
         finally:
             for process in servers.values():
-                if process.stdin is not None:
+                with contextlib.suppress(OSError):  # one that died has no stdin to read the end from
+                    assert process.stdin is not None
                     process.stdin.write("\n")
                     process.stdin.close()
-                process.wait(timeout=60)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
     result: dict[str, Any] = {"rev": rev, "rev_commit": commit, "turns": turns, "per_turn": per_turn}
     for kind in KINDS:
         result[kind] = {

@@ -34,6 +34,8 @@ BENCHES = {
     "adapter_upload": {"upload_to_servable_p50_ms", "ratio_restart_vs_hot"},
     "multi_lora": {"ours_tok_s", "peft_tok_s", "ratio_vs_peft", "ratio_continuous_vs_static"},
     "gateway": {"requests", "overhead_p50_ms", "serve_overhead_p50_ms"},
+    # Issue 33: the ingress against another revision, both trees serving at once, in turns.
+    "gateway_vs": {"rev_commit", "chat", "asgi", "ratio_vs_rev"},
     "continuations": {"truncation_auto_ms", "messages_templated", "flood_refused_ms"},
     "routing": {"ours", "default", "ratios"},
     "fairness": {"fair_ratio_p90_vs_alone", "throughput_ratio_fair_vs_fifo", "weighted_shares"},
