@@ -26,12 +26,14 @@ from decimal import Decimal
 
 import anyio
 
+from app.auth.authenticator import Principal
 from app.budgets.guard import BudgetGuard, BudgetHold
 from app.errors import RateLimited, RequestTooLarge, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
 from app.limits.protocol import DELIVERY_GRACE_MS
 from app.limits.refusal_cache import RefusalCache
 from app.metrics import Counter
+from app.services import Target
 from billing.price_book import Metered
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,30 @@ class BudgetAsk:
     output_tokens: int  # max_tokens x choices x prompts
     # its prices are the tier's times this (a batch line's: the tier's batch price factor)
     price_factor: Decimal = Decimal(1)
+
+    @classmethod
+    def of(
+        cls,
+        guard: BudgetGuard | None,
+        principal: Principal,
+        target: Target,
+        tokens: tuple[int, int],
+        *,
+        batch: bool,
+    ) -> "BudgetAsk | None":
+        """A request's money for admission: `tokens` (its prompts, its most output) on its model or adapter;
+        None when no guard holds money."""
+        if guard is None:
+            return None
+        return cls(
+            guard=guard,
+            budgeted=principal.budgeted,
+            base_model=target.base.name,
+            adapter_id=None if target.adapter is None else target.adapter.adapter_id,
+            prompt_tokens=tokens[0],
+            output_tokens=tokens[1],
+            price_factor=principal.batch_price_factor if batch else Decimal(1),
+        )
 
 
 @dataclass

@@ -16,18 +16,16 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import Self
 
-from adapters.errors import AdapterLoadFailed, AdapterNotFound
 from app import log_context, request_metrics
 from app.auth.authenticator import Principal
 from app.completions.admission import Admission, BudgetAsk
 from app.completions.engine_stream import EngineStream, uncancellable
 from app.completions.plan import RequestPlan
 from app.completions.policy import allowed
-from app.errors import APIError, ModelNotFound, to_api_error
-from app.metering.request_record import RequestRecord, RequestStatus
+from app.errors import APIError, to_api_error
+from app.metering.request_record import RequestRecord, RequestStatus, tell
 from app.services import Services
 from billing.price_book import Metered
 from deployments.engine.interface import (
@@ -122,7 +120,13 @@ class RequestLifecycle:
             reserve=plan.prompt_tokens + allowance.output_tokens,  # every prompt, every choice's most output
             fail_open=self.services.limiter_fail_open,
             sequences=allowance.sequences,  # concurrency counts what the engine runs, not HTTP requests
-            budget=self._budget_ask(allowance.output_tokens),
+            budget=BudgetAsk.of(
+                self.services.budget_guard,
+                principal,
+                plan.target,
+                (plan.prompt_tokens, allowance.output_tokens),
+                batch=batch,
+            ),
             # over its RPM, its next requests are refused before parsing
             refusals=None if batch else self.services.refusals,
         )
@@ -163,7 +167,10 @@ class RequestLifecycle:
 
     async def api_error(self, error: Exception) -> APIError:
         """`error` as the APIError to answer with, the admission's headers on it."""
-        api_error = to_api_error(await self._explained(error))
+        ref = self.plan.target.adapter
+        if ref is not None:
+            error = await self.services.adapters.explain(self.principal, self.plan.target.name, ref, error)
+        api_error = to_api_error(error)
         api_error.headers = {**self.headers(), **api_error.headers}
         return api_error
 
@@ -173,40 +180,6 @@ class RequestLifecycle:
             request_metrics.refused(self.principal.tenant_id, target.name, target.base.name, error)
         except Exception:  # metrics must never change a response
             log.exception("counting refused request %s failed", self.request_id)
-
-    def _budget_ask(self, output_tokens: int) -> BudgetAsk | None:
-        """The request's money for admission: its prompts and its most output, on its model or adapter."""
-        guard = self.services.budget_guard
-        if guard is None:
-            return None
-        target = self.plan.target
-        return BudgetAsk(
-            guard=guard,
-            budgeted=self.principal.budgeted,
-            base_model=target.base.name,
-            adapter_id=None if target.adapter is None else target.adapter.adapter_id,
-            prompt_tokens=self.plan.prompt_tokens,
-            output_tokens=output_tokens,
-            price_factor=self.principal.batch_price_factor if self.priority == "batch" else Decimal(1),
-        )
-
-    async def _explained(self, error: Exception) -> Exception:
-        """The engine found no stored version of this request's adapter: deleted since the ingress resolved
-        its name (cached for a moment), so the model is gone (404); or the registry still lists it and the
-        store lost its files, which is the platform's fault (503, logged). The registry decides, afresh."""
-        ref = self.plan.target.adapter
-        if not isinstance(error, AdapterNotFound) or ref is None:
-            return error
-        name = self.plan.target.name
-        try:
-            gone = await self.services.adapters.recheck(self.principal, name) is None
-        except Exception:  # the registry is unreachable: the platform's trouble either way
-            log.exception("rechecking adapter %s in the registry failed", ref)
-            gone = False
-        if gone:
-            return ModelNotFound(name)
-        log.warning("adapter %s is registered but its engine cannot find it: %s", ref, error)
-        return AdapterLoadFailed(str(ref), "the registry lists it but the store does not hold it")
 
     async def _engine_outputs(self) -> AsyncGenerator[RequestOutput, None]:
         """This request's engine outputs, with the platform's one replica failover: when the replica
@@ -341,8 +314,4 @@ class RequestLifecycle:
             "?" if usage is None else usage.completion_tokens,
             record.latency_ms,
         )  # the log context adds request_id, tenant, model and adapter
-        for observer in self.services.observers:
-            try:
-                await observer.on_finish(record)
-            except Exception:  # an observer must never break a response
-                log.exception("observer %r failed on %s", observer, self.request_id)
+        await tell(self.services.observers, record)

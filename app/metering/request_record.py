@@ -4,6 +4,8 @@ Every request that reached an engine ends in exactly one record (completed, abor
 failed), which metering turns into a usage event.
 """
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -12,6 +14,7 @@ from typing import Literal, Protocol
 from adapters.ref import AdapterRef
 from deployments.engine.interface import RequestUsage
 
+log = logging.getLogger(__name__)
 RequestStatus = Literal["completed", "aborted", "failed"]
 
 
@@ -36,3 +39,12 @@ class RequestRecord:
 
 class RequestObserver(Protocol):
     async def on_finish(self, record: RequestRecord) -> None: ...
+
+
+async def tell(observers: Sequence[RequestObserver], record: RequestRecord) -> None:
+    """Hand `record` to every observer; one that fails is logged and the others still hear of it."""
+    for observer in observers:
+        try:
+            await observer.on_finish(record)
+        except Exception:  # an observer must never break a response
+            log.exception("observer %r failed on %s", observer, record.request_id)

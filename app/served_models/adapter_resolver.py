@@ -4,16 +4,21 @@ The registry is the source of truth; a short TTL bounds how long a replaced or d
 being served to new requests (requests already running keep the version they started with).
 """
 
+import logging
 import time
 from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from adapters.errors import AdapterLoadFailed, AdapterNotFound
 from adapters.ref import AdapterRef
 from app.auth.authenticator import Principal
+from app.errors import ModelNotFound
 from app.schemas.openai import ModelCard
 from billing import adapter_registry
+
+log = logging.getLogger(__name__)
 
 
 class AdapterResolver:
@@ -39,6 +44,24 @@ class AdapterResolver:
         the cache named); the answer replaces the cached one."""
         self._cache.pop((principal.tenant_id, model), None)
         return await self.resolve(principal, model)
+
+    async def explain(self, principal: Principal, model: str, ref: AdapterRef, error: Exception) -> Exception:
+        """An engine's `error` for a request naming `model` (adapter version `ref`), explained.
+        AdapterNotFound means the engine found no stored version of the adapter: deleted since the name was
+        resolved (cached for a moment), so the model is gone (404); or the registry still lists it and the
+        store lost its files, which is the platform's fault (503, logged). The registry decides, afresh.
+        Any other error is returned as it is."""
+        if not isinstance(error, AdapterNotFound):
+            return error
+        try:
+            gone = await self.recheck(principal, model) is None
+        except Exception:  # the registry is unreachable: the platform's trouble either way
+            log.exception("rechecking adapter %s in the registry failed", ref)
+            gone = False
+        if gone:
+            return ModelNotFound(model)
+        log.warning("adapter %s is registered but its engine cannot find it: %s", ref, error)
+        return AdapterLoadFailed(str(ref), "the registry lists it but the store does not hold it")
 
     def invalidate(self) -> None:
         """Forget everything (this replica just changed the registry)."""
