@@ -1,6 +1,6 @@
 """FastAPI dependency aliases: what a route asks for, resolved per request.
 
-Credentials are checked by the route classes in app/routes/guarded.py before the body is read; these
+Credentials are checked by the route classes in app/route_guards.py before the body is read; these
 dependencies hand the result to the route (and document the security scheme in OpenAPI).
 """
 

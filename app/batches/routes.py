@@ -20,7 +20,7 @@ from app.deps import ReaderDep, ServicesDep, TenantDep
 from app.errors import BatchLimitExceeded, InvalidParameter, NotFound
 from app.files.routes import missing as missing_file
 from app.files.store import FileRecord, FileStore
-from app.routes.guarded import TenantRoute
+from app.route_guards import TenantRoute
 
 router = APIRouter(prefix="/v1", tags=["batches"], route_class=TenantRoute)
 

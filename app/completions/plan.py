@@ -16,6 +16,7 @@ from app.completions.reasoning import thinking_switch
 from app.completions.sampling import logit_bias, sampling_params, structured_output
 from app.errors import InvalidParameter
 from app.schemas.openai import ChatCompletionRequest, CompletionRequest
+from app.served_models.chat_format import HERMES, ToolFormat
 from app.served_models.prompts import PromptBuilder
 from app.services import Services, Target
 from app.settings import Settings
@@ -35,7 +36,7 @@ class Shape:
     logprobs: int | None = None  # None: no logprobs; else with this many top alternatives
     echo: tuple[str, ...] | None = None  # /v1/completions echo: each prompt's text, before its completion
     tool_names: frozenset[str] = frozenset()  # chat: the output is parsed for calls of these tools
-    tool_format: tool_calls.ToolFormat = tool_calls.HERMES  # how the model writes them
+    tool_format: ToolFormat = HERMES  # how the model writes them
     reasoning: bool = False  # chat of a thinking model: the output is split into reasoning and content
     opened: bool = False  # the prompt opened <think>: the output starts as reasoning
 

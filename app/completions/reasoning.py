@@ -19,8 +19,8 @@ from typing import Literal
 from app.completions.tool_calls import held_prefix
 from app.errors import InvalidParameter
 from app.schemas.openai import ChatCompletionRequest
+from app.served_models.chat_format import THINK_BEGIN, THINK_END
 
-THINK_BEGIN, THINK_END = "<think>", "</think>"
 State = Literal["start", "reasoning", "content"]
 
 

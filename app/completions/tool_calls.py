@@ -28,30 +28,9 @@ from typing import Any
 
 from app.errors import InvalidParameter
 from app.schemas.openai import ChatCompletionRequest, ResponseFormatText, Tool
+from app.served_models.chat_format import HERMES, ToolFormat
 from deployments.engine.interface import StructuredOutput
 
-
-@dataclass(frozen=True)
-class ToolFormat:
-    """How a family writes its calls: each block is `begin` + JSON + `end`; the JSON is one call, or with
-    `listed` a JSON list of calls (the grammar writes one call a list, its brackets part of the block)."""
-
-    name: str
-    begin: str
-    end: str
-    listed: bool = False
-
-    @property
-    def grammar_begin(self) -> str:
-        return self.begin + "[" if self.listed else self.begin
-
-    @property
-    def grammar_end(self) -> str:
-        return "]" + self.end if self.listed else self.end
-
-
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
-PHI4 = ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", listed=True)
 BEGIN, END = HERMES.begin, HERMES.end
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 

@@ -20,7 +20,7 @@ from app.errors import FileQuotaExceeded, InvalidParameter, NotFound
 from app.files.jsonl import JsonlCheck
 from app.files.store import FileRecord, FileStore, QuotaExceeded
 from app.responses.store import ResponseStore
-from app.routes.guarded import TenantRoute
+from app.route_guards import TenantRoute
 from app.services import Services
 from app.storage import stored_bytes
 from app.upload import UPLOADS_DIR, Upload, receive_upload

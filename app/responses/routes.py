@@ -23,16 +23,15 @@ from app.completions.lifecycle import RequestLifecycle
 from app.completions.plan import RequestPlan, plan_chat
 from app.deps import ReaderDep, ServicesDep
 from app.errors import APIError, InvalidParameter, NotFound, StorageQuotaExceeded
-from app.files.store import FileStore
 from app.responses.conversation import PARAMS, Conversation, with_ids
 from app.responses.objects import ResponseObject
 from app.responses.renderer import ResponsesRenderer
 from app.responses.request import ResponseRequest
 from app.responses.store import MAX_DEPTH, ResponseStore, Stored
-from app.routes.guarded import BEARER_HEADER, TenantRoute, admits, tenant_call
+from app.route_guards import BEARER_HEADER, TenantRoute, admits, tenant_call
 from app.services import Services
 from app.settings import Settings
-from app.storage import stored_bytes
+from app.storage import ByteKeeper, stored_bytes
 from deployments.engine.interface import Priority
 
 router = APIRouter(prefix="/v1", tags=["responses"], route_class=TenantRoute)
@@ -193,7 +192,7 @@ def _within_storage(settings: Settings, body: ResponseRequest, conversation: Con
 
 def _within_quota(
     store: ResponseStore,
-    files: FileStore,
+    files: ByteKeeper,
     principal: Principal,
     quota: int,
     conversation: Conversation,

@@ -15,7 +15,7 @@ from app.auth.api_keys import generate_key
 from app.auth.authenticator import limits_for
 from app.deps import AdminDep, ServicesDep
 from app.errors import Conflict, InvalidParameter, NotFound
-from app.routes.guarded import AdminRoute
+from app.route_guards import AdminRoute
 from app.schemas.admin import (
     KeyCreate,
     KeyCreated,

@@ -5,7 +5,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.adapter_ingest import FILE_FIELDS, AdapterIngest
 from app.deps import AdminDep, ServicesDep
-from app.routes.guarded import AdminRoute
+from app.route_guards import AdminRoute
 from app.schemas.adapters import AdapterList, AdapterOut, AdapterPatch, AdapterVersionOut
 from app.services import Services
 from app.upload import UPLOADS_DIR, receive_upload

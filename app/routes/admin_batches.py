@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from app.batches.store import BatchStore
 from app.deps import AdminDep, ServicesDep
 from app.errors import NotFound
-from app.routes.guarded import AdminRoute
+from app.route_guards import AdminRoute
 
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
 

@@ -14,7 +14,7 @@ from app.budgets.view import budget_out
 from app.deps import AdminDep, ServicesDep
 from app.errors import InvalidParameter
 from app.middleware import request_id_of
-from app.routes.guarded import AdminRoute
+from app.route_guards import AdminRoute
 from app.schemas.budgets import BudgetOut, BudgetsSet, CreditCreate, CreditEntryOut
 from app.surfaces import surface_of
 from billing import credit

@@ -9,7 +9,7 @@ from app.completions.completion_renderer import CompletionRenderer
 from app.completions.delivery import respond
 from app.completions.lifecycle import RequestLifecycle
 from app.completions.plan import plan_chat, plan_completion
-from app.routes.guarded import BEARER_HEADER, TenantRoute, admits, tenant_call
+from app.route_guards import BEARER_HEADER, TenantRoute, admits, tenant_call
 from app.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 router = APIRouter(prefix="/v1", tags=["inference"], route_class=TenantRoute)

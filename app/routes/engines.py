@@ -5,7 +5,7 @@ billing database every few seconds. A replica that stopped reporting drops out a
 from fastapi import APIRouter
 
 from app.deps import AdminDep, ServicesDep
-from app.routes.guarded import AdminRoute
+from app.route_guards import AdminRoute
 from app.routes.routing import ReportScopeDep
 from app.schemas.engines import EngineList, ReplicaIsolationOut
 from billing.isolation_report import isolation_report

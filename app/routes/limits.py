@@ -18,7 +18,7 @@ from app.deps import ReaderDep, ServicesDep
 from app.errors import BudgetUnavailable
 from app.limits import WINDOW_MS, Decision, LimiterUnavailable, Limits, WindowState
 from app.limits.peek_cache import PeekCache
-from app.routes.guarded import TenantRoute
+from app.route_guards import TenantRoute
 from app.schemas.budgets import BudgetOut
 
 router = APIRouter(prefix="/v1", tags=["limits"], route_class=TenantRoute)

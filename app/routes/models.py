@@ -6,7 +6,7 @@ from starlette.concurrency import run_in_threadpool
 from app.auth.authenticator import Principal
 from app.deps import ReaderDep, ServicesDep
 from app.errors import ModelNotFound
-from app.routes.guarded import TenantRoute
+from app.route_guards import TenantRoute
 from app.schemas.openai import ModelCard, ModelList
 from app.services import Services
 

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from app.deps import AdminDep, ServicesDep
-from app.routes.guarded import AdminRoute
+from app.route_guards import AdminRoute
 from app.schemas.routing import ModelRoutingOut, RoutingList
 from billing.routing_report import routing_report
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Query
 from app.deps import AdminDep, ReaderDep, ServicesDep
 from app.errors import InvalidParameter, NotFound
 from app.responses.store import ResponseStore
-from app.routes.guarded import AdminRoute, TenantRoute
+from app.route_guards import AdminRoute, TenantRoute
 from app.schemas.usage import BillOut, StorageOut, UsageList, UsageRowOut
 from app.storage import stored_bytes
 from billing import pricing, repository

@@ -11,10 +11,31 @@ Gemma 3, which has no tool-call tokens of its own: docs/decisions.md).
 from dataclasses import dataclass
 from typing import Any
 
-from app.completions.reasoning import THINK_BEGIN
-from app.completions.tool_calls import HERMES, PHI4, ToolFormat
-
+THINK_BEGIN, THINK_END = "<think>", "</think>"
 PHI4_MARKERS = ("<|tool_call|>", "<|tool|>")
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a family writes its calls: each block is `begin` + JSON + `end`; the JSON is one call, or with
+    `listed` a JSON list of calls (the grammar writes one call a list, its brackets part of the block)."""
+
+    name: str
+    begin: str
+    end: str
+    listed: bool = False
+
+    @property
+    def grammar_begin(self) -> str:
+        return self.begin + "[" if self.listed else self.begin
+
+    @property
+    def grammar_end(self) -> str:
+        return "]" + self.end if self.listed else self.end
+
+
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
+PHI4 = ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", listed=True)
 
 
 def template_text(template: Any) -> str | None:

@@ -10,11 +10,9 @@ from jinja2 import TemplateError
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from app.completions.reasoning import THINK_BEGIN
-from app.completions.tool_calls import ToolFormat
 from app.errors import InvalidParameter
 from app.schemas.openai import ChatMessage
-from app.served_models.chat_format import ChatFormat, template_text
+from app.served_models.chat_format import THINK_BEGIN, ChatFormat, ToolFormat, template_text
 from app.served_models.token_texts import TokenTexts
 
 

@@ -8,11 +8,10 @@ import pytest
 
 from app.completions.chat_renderer import ChatRenderer
 from app.completions.plan import Shape
-from app.completions.reasoning import THINK_BEGIN, THINK_END, ReasoningStream, split
-from app.completions.tool_calls import HERMES, PHI4
+from app.completions.reasoning import ReasoningStream, split
 from app.modelprep.demo_model import CHAT_TEMPLATE
 from app.schemas.openai import ChatMessage, CompletionTokensDetails
-from app.served_models.chat_format import ChatFormat
+from app.served_models.chat_format import HERMES, PHI4, THINK_BEGIN, THINK_END, ChatFormat
 from app.served_models.prompts import PromptBuilder
 from deployments.engine.interface import FinishReason, RequestOutput
 from tests.app.chat_families import OPENING_TEMPLATE, PHI4_TEMPLATE, QWEN3_TEMPLATE, with_template

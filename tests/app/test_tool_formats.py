@@ -11,8 +11,9 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from app.completions import tool_calls
-from app.completions.tool_calls import HERMES, PHI4, ToolCallStream, parse
+from app.completions.tool_calls import ToolCallStream, parse
 from app.schemas.openai import ChatCompletionRequest
+from app.served_models.chat_format import HERMES, PHI4
 from tests.app.chat_families import PHI4_TEMPLATE, with_template
 from tests.app.conftest import MODEL, Served, serving
 from tests.app.features import Account, account_without_adapter
