@@ -67,12 +67,13 @@ class BudgetAsk:
         guard: BudgetGuard | None,
         principal: Principal,
         target: Target,
-        tokens: tuple[int, int],
         *,
+        prompt_tokens: int,
+        output_tokens: int,
         batch: bool,
     ) -> "BudgetAsk | None":
-        """A request's money for admission: `tokens` (its prompts, its most output) on its model or adapter;
-        None when no guard holds money."""
+        """A request's money for admission: its prompts and its most output, on its model or adapter; None
+        when no guard holds money."""
         if guard is None:
             return None
         return cls(
@@ -80,8 +81,8 @@ class BudgetAsk:
             budgeted=principal.budgeted,
             base_model=target.base.name,
             adapter_id=None if target.adapter is None else target.adapter.adapter_id,
-            prompt_tokens=tokens[0],
-            output_tokens=tokens[1],
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
             price_factor=principal.batch_price_factor if batch else Decimal(1),
         )
 

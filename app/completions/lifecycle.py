@@ -124,7 +124,8 @@ class RequestLifecycle:
                 self.services.budget_guard,
                 principal,
                 plan.target,
-                (plan.prompt_tokens, allowance.output_tokens),
+                prompt_tokens=plan.prompt_tokens,
+                output_tokens=allowance.output_tokens,
                 batch=batch,
             ),
             # over its RPM, its next requests are refused before parsing
