@@ -99,12 +99,16 @@ def correctness(device: str, *, tiny: bool = False, with_bf16: bool = False) -> 
             store.put_dir(name, path)
         reference = PeftReference(model_dir, adapter_dirs)
         runs: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
-        for label, dtype, graphs in (
-            ("graphs", "float32", True),
-            ("eager", "float32", False),
-            ("bf16", "bfloat16", True),
+        for label, dtype, graphs, page_rank in (
+            ("graphs", "float32", True, None),
+            ("eager", "float32", False, None),
+            ("bf16", "bfloat16", True, None),
+            ("pages", "float32", True, 8),  # rank-16 adapters as runs of two pages, under graphs
         ):
-            config = scenario_config(model_dir, store_root, dtype=dtype, device=device, cuda_graphs=graphs)
+            pages = {} if page_rank is None else {"lora_page_rank": page_rank}
+            config = scenario_config(
+                model_dir, store_root, dtype=dtype, device=device, cuda_graphs=graphs, **pages
+            )
             engine = LLMEngine(config)
             outputs = run_engine(engine, arrivals, logprobs=0)  # the chosen token's logprob, held to PEFT's
             runs[label] = {
@@ -138,9 +142,14 @@ def correctness(device: str, *, tiny: bool = False, with_bf16: bool = False) -> 
             "graphs_equal_eager": {r: t for r, (t, _) in runs["graphs"].items()}
             == {r: t for r, (t, _) in runs["eager"].items()},
             "bf16_token_agreement": round(agree_bf16 / max(1, total), 3) if "bf16" in runs else None,
+            "pages_equal_one_page": {r: t for r, (t, _) in runs["pages"].items()}
+            == {r: t for r, (t, _) in runs["graphs"].items()},
         }
     results["ok"] = all(
-        r["greedy_equal_peft"] and r["graphs_equal_eager"] and r["max_logprob_diff"] < 1e-3
+        r["greedy_equal_peft"]
+        and r["graphs_equal_eager"]
+        and r["pages_equal_one_page"]
+        and r["max_logprob_diff"] < 1e-3
         for r in results.values()
     )
     return results

@@ -96,8 +96,8 @@ class EngineConfig(BaseModel):
         description=(
             "Rank units in one page of adapter memory: an adapter of rank r takes ceil(r / page) pages (the "
             "last padded with zeros), so narrower pages waste less memory. Unset: 16 (or max_lora_rank if "
-            "smaller) on CPU; max_lora_rank on CUDA, whose Triton LoRA kernels and decode graphs take one "
-            "page an adapter."
+            "smaller) on CPU; max_lora_rank on CUDA until a GPU run measures the Triton LoRA kernel on runs "
+            "of pages (it reads them, graphs included; set it to use them there)."
         ),
     )
     max_cpu_loras: int = Field(default=32, ge=1, description="Adapters kept in CPU memory (LRU).")
@@ -317,14 +317,9 @@ class EngineConfig(BaseModel):
 
     def page_rank_for(self, device_type: str) -> int:
         """The rank units of one adapter page on this device (see lora_page_rank)."""
-        if device_type == "cuda":
-            if self.lora_page_rank not in (None, self.max_lora_rank):
-                raise ValueError(
-                    f"lora_page_rank ({self.lora_page_rank}) below max_lora_rank ({self.max_lora_rank}) runs "
-                    "on CPU engines only: the CUDA LoRA kernels take an adapter of one page"
-                )
-            return self.max_lora_rank
-        return self.lora_page_rank or min(16, self.max_lora_rank)
+        if self.lora_page_rank is not None:
+            return min(self.lora_page_rank, self.max_lora_rank)
+        return self.max_lora_rank if device_type == "cuda" else min(16, self.max_lora_rank)
 
     def pages_per_adapter(self, device_type: str) -> int:
         """Pages of an adapter of max_lora_rank."""

@@ -546,12 +546,12 @@ class Scheduler:
         """Free the least wanted busy slot for an overdue request by preempting its running users (they
         requeue at the front and resume from the prefix cache), then give it the slot."""
         assert seq.adapter is not None
-        victim = self.adapters.slot_to_free(
+        victims = self.adapters.slots_to_free(
             seq.adapter, min_age_s=self.adapter_min_residency_s, batch=seq.batch
         )
-        if victim is None:
+        if not victims:
             return None
-        for user in [s for s in self.running if s.slot == victim]:
+        for user in [s for s in self.running if s.slot in victims]:
             self._preempt(user, out)
             self.slot_preemptions += 1
         return self.adapters.acquire(seq.adapter)
@@ -564,10 +564,10 @@ class Scheduler:
         batch_only = {s.slot for s in self.running if s.slot >= 0 and s.slot not in interactive}
         if not batch_only:
             return None
-        victim = self.adapters.slot_to_free(seq.adapter, min_age_s=0.0, among=batch_only)
-        if victim is None:
+        victims = self.adapters.slots_to_free(seq.adapter, min_age_s=0.0, among=batch_only)
+        if not victims:
             return None
-        for user in [s for s in self.running if s.slot == victim]:
+        for user in [s for s in self.running if s.slot in victims]:
             self._preempt(user, out)
             self.batch_preemptions += 1
         return self.adapters.acquire(seq.adapter)

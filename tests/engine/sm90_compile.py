@@ -1,8 +1,9 @@
 """Compiles the NF4 kernels (and the elementwise kernels' CUDA-only branches: libdevice's expf and tanhf,
-Gemma's unit-offset norm) for sm90 (H100/H200) on any machine: Triton's frontend, its MLIR passes, LLVM
-and the ptxas it ships all run without a GPU. Run in a process without TRITON_INTERPRET (the kernels must
-be JIT functions, not interpreted ones); prints one JSON object: each launch configuration's shared
-memory per program. The configurations are the ones `nf4_linear` launches for bench-1b's shapes.
+Gemma's unit-offset norm; the group LoRA kernel with adapters of one page and in runs of pages) for sm90
+(H100/H200) on any machine: Triton's frontend, its MLIR passes, LLVM and the ptxas it ships all run without
+a GPU. Run in a process without TRITON_INTERPRET (the kernels must be JIT functions, not interpreted ones);
+prints one JSON object: each launch configuration's shared memory per program. The NF4 configurations are
+the ones `nf4_linear` launches for bench-1b's shapes.
 """
 
 import json
@@ -11,7 +12,7 @@ import os
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from deployments.engine.model.gpu_kernels import activation, nf4_gemm, rms_norm
+from deployments.engine.model.gpu_kernels import activation, lora_delta, nf4_gemm, rms_norm
 
 GEMM_ARGS: list[str] = nf4_gemm._nf4_gemm_kernel.arg_names[:15]  # the runtime arguments, constexprs after
 # What Triton's launcher specializes for bench-1b's shapes: 16-byte aligned pointers, ints divisible by 16.
@@ -31,6 +32,23 @@ def _gemm(x: str, out: str, **constants: object) -> int:
     attrs = {(GEMM_ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     source = ASTSource(nf4_gemm._nf4_gemm_kernel, signature, consts, attrs)
     options = {"num_warps": nf4_gemm.NUM_WARPS, "num_stages": nf4_gemm.NUM_STAGES}
+    return int(compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared)
+
+
+def _lora_delta(runs: bool, block_r: int) -> int:
+    """The group LoRA kernel at a decode configuration in bf16: one page an adapter (rank 16), or runs of
+    up to four pages of 16 (BLOCK_R 64)."""
+    kernel = lora_delta._delta_kernel
+    pointers = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "ends_ptr": "*i64", "runs_ptr": "*i64",
+                "y_ptr": "*bf16"}  # fmt: skip
+    consts: dict[str, object] = {
+        "BLOCK_M": 16, "BLOCK_K": 256, "BLOCK_R": block_r, "BLOCK_N": 128, "COLUMNS": 128, "BLOCK_S": 64,
+        "PRECISION_A": "tf32", "PRECISION_B": "tf32", "RUNS": runs,
+    }  # fmt: skip
+    signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+    signature.update(dict.fromkeys(consts, "constexpr"))
+    source = ASTSource(kernel, signature, consts)
+    options = {"num_warps": 4, "num_stages": 4}
     return int(compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared)
 
 
@@ -75,6 +93,8 @@ def main() -> None:
         {"N": 2304, "BLOCK": 4096, "HAS_RESIDUAL": True, "UNIT_OFFSET": True},
     )  # fmt: skip
     shared["gemma_norm"] = int(compile(norm, target=target, options={"num_warps": 8}).metadata.shared)
+    for name, runs, block_r in (("lora_delta", False, 16), ("lora_delta_runs", True, 64)):
+        shared[name] = _lora_delta(runs, block_r)
     print(json.dumps(shared))
 
 

@@ -112,3 +112,44 @@ def test_an_overdue_adapter_takes_a_busy_slot_and_the_preempted_request_resumes_
     assert engine.scheduler.slot_preemptions >= 1
     assert outputs["long"] == expected  # preempted and resumed from the prefix cache: same tokens
     engine.close()
+
+
+def test_an_overdue_wide_adapter_frees_its_whole_run_in_one_step(llama: TinySetup) -> None:
+    """Pages of 4: demo-pirate (rank 4) takes page 0, demo-sql (rank 8) pages 1-2, one page stays free.
+    demo-poet (rank 16) needs all four: once overdue it preempts both narrow adapters' requests in the
+    same step and takes its run then, instead of one victim a step; both resume with unchanged tokens."""
+    narrow = {"pirate": llama.refs["demo-pirate"], "sql": llama.refs["demo-sql"]}
+    wide = llama.refs["demo-poet"]
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    solo = make_engine(llama, max_loras=1, lora_page_rank=4, adapter_wait_bound_s=0)
+    preload(solo, llama)
+    for name, ref in narrow.items():
+        solo.add_request(EngineRequest(name, prompt, greedy(150), ref))
+    expected = {rid: [t for o in outs for t in o.token_ids] for rid, outs in drain(solo).items()}
+    solo.close()
+
+    engine = make_engine(
+        llama, max_loras=1, lora_page_rank=4, adapter_wait_bound_s=0.2, adapter_min_residency_s=0.1
+    )
+    preload(engine, llama)
+    assert engine.adapters.slots.num_slots == 4
+    for name, ref in narrow.items():
+        engine.add_request(EngineRequest(name, prompt, greedy(150), ref))
+    outputs: dict[str, list[int]] = {"pirate": [], "sql": [], "poet": []}
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.request_id] += out.token_ids
+    engine.add_request(EngineRequest("poet", [7, 8], greedy(2), wide))
+    resident_when_preempted = None
+    while engine.has_unfinished():
+        before = engine.scheduler.slot_preemptions
+        for out in engine.step():
+            outputs[out.request_id] += out.token_ids
+        if before == 0 and engine.scheduler.slot_preemptions > 0:
+            resident_when_preempted = engine.adapters.slots.lookup(wide) is not None
+            assert engine.scheduler.slot_preemptions == 2, "both narrow runs give way in one step"
+        time.sleep(0.005)
+    assert resident_when_preempted is True, "the wide adapter took its run in the step that freed it"
+    assert outputs["pirate"] == expected["pirate"] and outputs["sql"] == expected["sql"]
+    assert len(outputs["poet"]) == 2
+    engine.close()

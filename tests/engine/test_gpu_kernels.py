@@ -540,6 +540,76 @@ def test_delta_config_spreads_decode_and_reads_prefill_tiles_once_per_member() -
     assert DECODE_TOKENS < 4096 and prefill.block_m == 64 and prefill.columns >= max(widths), prefill
 
 
+@dataclass(frozen=True)
+class RunsCase:
+    """Adapters in runs of pages: `runs` at each run's first page (other entries stale, never read)."""
+
+    dtype: torch.dtype
+    page_rank: int
+    splits: tuple[int, ...]
+    ends: list[int]  # cumulative token ends per page
+    runs: list[int]
+    max_pages: int
+    tokens: int
+    k: int = 24
+
+
+RUNS_CASES = {
+    # pages of 8: a 3-page run, a 1-page one, an idle page holding a stale 9, a 2-page run; one base row
+    "decode-fp32": RunsCase(torch.float32, 8, (32, 16), [3, 3, 3, 5, 5, 9, 9], [3, 9, 9, 1, 9, 2, 9], 4, 10),
+    # prefill tiles, int64 like the engine, five members (two launches), bf16-sized pages of 4 in fp16
+    "prefill-five-members-fp16": RunsCase(
+        torch.float16, 4, (16, 16, 32, 16, 16), [0, 150, 150, 150, 290], [1, 3, 0, 0, 1], 3, 300
+    ),
+}
+
+
+def runs_reference(
+    c: RunsCase, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """Each adapter alone: its run's A columns and B rows side by side, h in fp32 rounded to the adapters'
+    dtype, one delta over the run's whole rank."""
+    y = y.clone()
+    r, col = c.page_rank, 0
+    for p, width in enumerate(c.splits):
+        for page, (start, end) in enumerate(zip([0, *c.ends[:-1]], c.ends, strict=True)):
+            if end == start:
+                continue
+            run = range(page, page + c.runs[page])
+            a_run = torch.cat([a[q, :, p * r : (p + 1) * r] for q in run], dim=1).float()
+            b_run = torch.cat([b[q, :, col : col + width] for q in run], dim=0)
+            h = (x[start:end].to(a.dtype).float() @ a_run).to(b.dtype)
+            delta = h.float() @ b_run.float()
+            y[start:end, col : col + width] = (
+                y[start:end, col : col + width].float() + delta.to(y.dtype).float()
+            ).to(y.dtype)
+        col += width
+    return y
+
+
+@pytest.mark.parametrize("config", ["default", "cols16"])
+@pytest.mark.parametrize("case", RUNS_CASES, ids=list(RUNS_CASES))
+def test_lora_delta_reads_adapters_in_runs_of_pages(case: str, config: str, device: torch.device) -> None:
+    c = RUNS_CASES[case]
+    pages, members, width = len(c.ends), len(c.splits), sum(c.splits)
+    x = randn(c.tokens, c.k, dtype=c.dtype, device=device, seed=61)
+    a = randn(pages, c.k, members * c.page_rank, dtype=c.dtype, device=device, seed=62, scale=0.3)
+    b = randn(pages, c.page_rank, width, dtype=c.dtype, device=device, seed=63, scale=0.3)
+    y = randn(c.tokens, width, dtype=c.dtype, device=device, seed=64)
+    want = runs_reference(c, x.cpu(), a.cpu(), b.cpu(), y.cpu())
+    seg_ends = torch.tensor(c.ends, dtype=torch.int64, device=device)
+    runs = torch.tensor(c.runs, dtype=torch.int64, device=device)
+    lora_delta(
+        x, a, b, seg_ends, y, splits=c.splits, runs=runs, max_pages=c.max_pages, config=DELTA_CONFIGS[config]
+    )
+    tol = 1e-5 if c.dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(y.cpu(), want, atol=tol, rtol=tol)
+    # the same weights read as one page an adapter give another answer: the run's later pages were read
+    one_page = y.clone().copy_(randn(c.tokens, width, dtype=c.dtype, device=device, seed=64))
+    lora_delta(x, a, b, seg_ends, one_page, splits=c.splits, config=DELTA_CONFIGS[config])
+    assert not torch.allclose(one_page.cpu(), want, atol=tol, rtol=tol)
+
+
 def test_lora_delta_refuses_mismatched_shapes(device: torch.device) -> None:
     x = torch.zeros(4, 8, device=device)
     a = torch.zeros(2, 8, 32, device=device)  # two members of rank 16
@@ -554,6 +624,10 @@ def test_lora_delta_refuses_mismatched_shapes(device: torch.device) -> None:
         lora_delta(x, a, b, ends.float(), y, splits=(12, 12))
     with pytest.raises(ValueError, match="y must be"):
         lora_delta(x, a, b, ends, y.t(), splits=(12, 12))
+    with pytest.raises(ValueError, match="runs"):
+        lora_delta(x, a, b, ends, y, splits=(12, 12), runs=ends[:1], max_pages=2)
+    with pytest.raises(ValueError, match="max_pages"):
+        lora_delta(x, a, b, ends, y, splits=(12, 12), max_pages=2)
 
 
 class NotPlainLinear(nn.Linear):
@@ -984,7 +1058,8 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     """What the interpreter cannot show: the NF4 kernels lower to PTX and through ptxas for H100/H200 at the
     configurations nf4_linear launches, and a decode program keeps to a few KB of shared memory (Triton
     pipelining the code-table gathers through shared memory took 135 KB: one program per SM); so do the
-    elementwise kernels' CUDA-only branches (libdevice's expf and tanhf, Gemma's unit-offset norm)."""
+    elementwise kernels' CUDA-only branches (libdevice's expf and tanhf, Gemma's unit-offset norm), and the
+    group LoRA kernel, whose runs of pages the interpreter reads more leniently than the compiler."""
     triton = pytest.importorskip("triton")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton ships no ptxas")
@@ -998,7 +1073,7 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     shared = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(shared) >= {
         "decode_split_partials", "decode_bias", "tiled_rows64", "split_sum", "dequant", "silu", "gelu_tanh",
-        "gemma_norm",
+        "gemma_norm", "lora_delta", "lora_delta_runs",
     }  # fmt: skip
     assert max(shared.values()) <= 48 * 1024, shared
 

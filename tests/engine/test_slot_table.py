@@ -341,6 +341,30 @@ def test_free_pages_between_busy_runs_are_no_run_for_a_wide_adapter() -> None:
     check_runs(table)
 
 
+def test_the_busy_window_for_a_wide_adapter_drains_every_run_in_it_at_once() -> None:
+    table = SlotTable(6)
+    a, b = loaded(table, A, users=1), loaded(table, B, users=2)  # pages 0 and 1
+    c = loaded(table, C, users=1, pages=2)  # pages 2-3
+    pinned = loaded(table, D)  # page 4, idle and pinned; page 5 free
+    table.pinned.add(D)
+    assert (a, b, c, pinned) == (0, 1, 2, 4)
+    demand = {a: 0, b: 0, c: 3}
+    cost = lambda s: (demand[s], table.users(s))  # noqa: E731
+    busy = {a, b, c}
+    # Two pages: A with B (nobody queued for either) beats C's run (3 queued) and B with C.
+    assert table.busy_window(2, busy, cost) == [a, b]
+    demand[c] = 0
+    assert table.busy_window(2, busy, cost) == [c]  # now C alone: one run, one user
+    # Four pages: only pages 0-3 qualify (page 4 is pinned): every run in them, at once.
+    assert table.busy_window(4, busy, cost) == [a, b, c]
+    assert table.busy_window(4, {a, c}, cost) is None  # B may not be drained: no window
+    assert table.busy_window(5, busy, cost) is None  # every 5-page window holds the pinned page
+    table.pinned.clear()
+    assert table.busy_window(6, busy, cost) == [a, b, c]  # the idle run and the free page come along
+    assert table.busy_window(6, busy, cost, keep=lambda s: s == pinned) is None  # unless it is kept
+    assert table.busy_window(1, set(), cost) is None  # nothing busy may go
+
+
 def test_a_drained_run_frees_all_its_pages() -> None:
     table = SlotTable(4)
     a = loaded(table, A, users=1, pages=3)

@@ -46,15 +46,24 @@ def counting(module: Any, calls: Counter[str]) -> SimpleNamespace:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("arch", "kernels"),
+    ("arch", "kernels", "page_rank"),
     [
-        ("qwen3", {"rms_norm", "silu_and_mul"}),
-        ("gemma3_text", {"rms_norm:unit_offset", "gelu_tanh_and_mul"}),
+        ("qwen3", {"rms_norm", "silu_and_mul"}, None),
+        ("gemma3_text", {"rms_norm:unit_offset", "gelu_tanh_and_mul"}, None),
+        # adapter memory in pages of 4: demo-sql and demo-legal (rank 8) are runs of two pages in the group
+        # LoRA kernel, demo-pirate (rank 4) takes one
+        ("qwen3", {"rms_norm", "silu_and_mul"}, 4),
     ],
+    ids=["qwen3", "gemma3_text", "qwen3-pages-of-4"],
 )
 def test_a_family_on_the_triton_kernels_equals_peft(
-    arch: str, kernels: set[str], tiny_setups: dict[str, TinySetup], monkeypatch: pytest.MonkeyPatch
+    arch: str,
+    kernels: set[str],
+    page_rank: int | None,
+    tiny_setups: dict[str, TinySetup],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from deployments.engine.model.gpu_kernels import lora_delta
     from deployments.engine.model.layer_ops import TritonOps
 
     setup = tiny_setups[arch]
@@ -63,11 +72,25 @@ def test_a_family_on_the_triton_kernels_equals_peft(
     ops._rms = counting(ops._rms, calls)  # type: ignore[assignment]
     ops._act = counting(ops._act, calls)  # type: ignore[assignment]
     monkeypatch.setattr(model_runner, "layer_ops_for", lambda device: ops)
-    engine = LLMEngine(scenario_config(setup.model_dir, setup.store_root))
+    widest: list[int] = []  # the widest run each group LoRA launch read
+    plain = lora_delta.lora_delta
+
+    def delta(*args: Any, runs: torch.Tensor | None = None, max_pages: int = 1, **kwargs: Any) -> None:
+        seg_ends = args[3]
+        if runs is not None:
+            starts = torch.cat([seg_ends.new_zeros(1), seg_ends[:-1]])
+            widest.append(int(runs[seg_ends > starts].max()))
+        plain(*args, runs=runs, max_pages=max_pages, **kwargs)
+
+    monkeypatch.setattr(lora_delta, "lora_delta", delta)
+    extra = {} if page_rank is None else {"lora_page_rank": page_rank}
+    engine = LLMEngine(scenario_config(setup.model_dir, setup.store_root, **extra))
     assert isinstance(engine.runner.forward, DecoderForward) and engine.runner.forward.ops is ops
     arrivals = [a for a in script() if a.request_id in REQUESTS]
     outputs = run_engine(engine, arrivals, logprobs=0)
     engine.close()
     assert set(calls) == kernels, calls  # every norm and activation of this family ran as its kernel
+    if page_rank is not None:
+        assert widest and max(widest) == 8 // page_rank, "the rank-8 adapters were read as runs"
     reference = PeftReference(setup.model_dir, setup.adapter_dirs)
     assert_equals_peft(reference, arrivals, outputs, f"{arch} triton")

@@ -139,10 +139,8 @@ class AdapterManager:
             if self._lookahead is None or ref in self._lookahead:
                 self._prefetch(ref)  # beyond the planned lookahead a load would only evict a nearer need
             return None
-        keep = self._settling if not batch else lambda s: self._settling(s) or self._for_interactive(s)
-        pages = pages_for_rank(
-            max((w.a.shape[0] for w in weights.modules.values()), default=1), self.page_rank
-        )
+        keep = self._keep_for(batch)
+        pages = self._pages_of(weights)
         slot = self.slots.claim(ref, score=lambda held: self._demand[held], keep=keep, pages=pages)
         if slot is None:
             self._cold.add(ref)
@@ -159,6 +157,16 @@ class AdapterManager:
         self.activation_seconds += time.perf_counter() - start
         self.slots.acquire(slot)
         return slot
+
+    def _pages_of(self, weights: AdapterWeights) -> int:
+        return pages_for_rank(
+            max((w.a.shape[0] for w in weights.modules.values()), default=1), self.page_rank
+        )
+
+    def _keep_for(self, batch: bool) -> Callable[[int], bool]:
+        """Idle slots a claim may not evict: settling ones, and for the batch class those interactive
+        work wants."""
+        return self._settling if not batch else lambda s: self._settling(s) or self._for_interactive(s)
 
     def _settling(self, slot: int) -> bool:
         """Whether the slot's adapter has requests queued and was loaded less than min_residency_s ago: such
@@ -268,33 +276,38 @@ class AdapterManager:
                 )
             )
 
-    def slot_to_free(
+    def slots_to_free(
         self, ref: AdapterRef, *, min_age_s: float, among: set[int] | None = None, batch: bool = False
-    ) -> int | None:
-        """For a request overdue for a slot: the busy slot its users should give up (the least wanted, then
-        the fewest users and remaining tokens), marked draining so it frees with its last user. Only slots
-        loaded at least `min_age_s` ago qualify, so two adapters trade a slot no faster than that. None if
-        `ref`'s weights are not in CPU memory yet (preempting would not help) or no slot qualifies.
-        `among`: only these slots may be chosen; for a batch-class request (`batch`), none interactive work
-        uses."""
-        if not self.cpu.is_ready(ref):
-            return None
+    ) -> list[int]:
+        """For a request overdue for a slot: the busy slots whose users should give them up, marked draining
+        so each frees with its last user. They are the cheapest window that frees a run as wide as `ref`
+        needs (one slot for an adapter of one page; several narrow ones for a wide adapter, all at once,
+        not one a step): least wanted, then fewest users and remaining tokens. Only slots loaded at least
+        `min_age_s` ago qualify, so two adapters trade a slot no faster than that. Empty if `ref`'s weights
+        are not in CPU memory yet (preempting would not help) or no window qualifies. `among`: only these
+        slots may be chosen; for a batch-class request (`batch`), none interactive work uses."""
+        weights = self.cpu.get(ref) if self.cpu.is_ready(ref) else None
+        if weights is None:
+            return []
         now = time.monotonic()
-        candidates = [
+        candidates = {
             s
             for s in self.slots.drainable() + self.slots.draining()
             if now - self.slots.claimed_at[s] >= min_age_s
             and (among is None or s in among)
             and not (batch and self._for_interactive(s))
-        ]
-        if not candidates:
-            return None
-        victim = min(
-            candidates, key=lambda s: (self._demand_of(s), self.slots.users(s), self._remaining.get(s, 0))
+        }
+        victims = self.slots.busy_window(
+            self._pages_of(weights),
+            candidates,
+            cost=lambda s: (self._demand_of(s), self.slots.users(s), self._remaining.get(s, 0)),
+            keep=self._keep_for(batch),
         )
-        if victim in self.slots.drainable():
-            self.slots.start_draining(victim)
-        return victim
+        drainable = set(self.slots.drainable())
+        for victim in victims or []:
+            if victim in drainable:
+                self.slots.start_draining(victim)
+        return victims or []
 
     def _demand_of(self, slot: int) -> int:
         ref = self.slots.ref_at(slot)

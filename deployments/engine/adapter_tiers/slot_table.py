@@ -140,6 +140,38 @@ class SlotTable:
         order = np.lexsort((filled[starts], recent[starts], cost[starts]))
         return int(starts[order[0]])
 
+    def busy_window(
+        self,
+        pages: int,
+        busy: set[int],
+        cost: Callable[[int], tuple[int, ...]],
+        keep: Callable[[int], bool] | None = None,
+    ) -> list[int] | None:
+        """The busy slots to drain so that a run of `pages` frees: the cheapest window of `pages` pages whose
+        every page is free, idle (unpinned, not kept) or held by one of `busy`, and which holds at least one
+        of `busy`. A window's cost is its busy slots' `cost`s added element by element, then how many there
+        are. None if no window qualifies."""
+        usable = np.zeros(self.num_slots, dtype=bool)
+        for page, owner in enumerate(self._owner):
+            if owner < 0 or owner in busy:
+                usable[page] = True
+            elif owner in self._idle:
+                usable[page] = self._ref_at(owner) not in self.pinned and not (
+                    keep is not None and keep(owner)
+                )
+        best: tuple[tuple[int, ...], list[int]] | None = None
+        for start in range(self.num_slots - pages + 1):
+            if not usable[start : start + pages].all():
+                continue
+            victims = sorted({self._owner[p] for p in range(start, start + pages)} & busy)
+            if not victims:
+                continue
+            costs = [cost(s) for s in victims]
+            key = (*map(sum, zip(*costs, strict=True)), len(victims))
+            if best is None or key < best[0]:
+                best = (key, victims)
+        return None if best is None else best[1]
+
     def discard(self, slot: int) -> None:
         """Free a slot just claimed whose adapter could not be written into it (it has no users yet)."""
         assert self._users[slot] == 0, f"slot {slot} is in use"

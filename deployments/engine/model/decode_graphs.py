@@ -71,8 +71,16 @@ class DecodeGraphs:
         attention.decode_context_lens.fill_(1)
         attention.decode_block_table.fill_(sink)
         inputs.lora_ends.fill_(b if lora else 0)
+        inputs.lora_runs.fill_(1)
         inputs.lora = (
-            LoRABatch(b, inputs.lora_ends, [(0, 0, b)], torch.empty(0, 3, dtype=torch.int64))
+            LoRABatch(
+                b,
+                inputs.lora_ends,
+                [(0, 0, b)],
+                torch.empty(0, 3, dtype=torch.int64),
+                runs=inputs.lora_runs,
+                max_pages=self._builder.lora_run_pages,
+            )
             if lora
             else None
         )

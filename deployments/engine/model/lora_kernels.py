@@ -34,13 +34,21 @@ class LoRABatch:
     segments: list[tuple[int, int, int]]  # (page, start, end) for the non-empty segments, host-side
     segment_table: torch.Tensor  # [G, 3] or [G, 4] int64 on the host: the same, [+ run pages], for C++
     later_pages: list[list[tuple[int, int, int]]] = field(default_factory=list)  # rounds 1..: their segments
+    runs: torch.Tensor | None = None  # [pages] on the device: each run's pages at its first page (Triton)
+    max_pages: int = 1  # the widest run the engine's memory allows (a fixed bound: graphs bake it in)
 
     def page_rounds(self) -> list[list[tuple[int, int, int]]]:
         return [self.segments, *self.later_pages]
 
 
 def lora_batch(
-    segments: list[tuple[int, int, int]], pages: list[int], offsets: torch.Tensor, num_lora_tokens: int
+    segments: list[tuple[int, int, int]],
+    pages: list[int],
+    offsets: torch.Tensor,
+    num_lora_tokens: int,
+    *,
+    runs: torch.Tensor | None = None,
+    max_pages: int = 1,
 ) -> LoRABatch:
     """The step's rounds from its segments (slot, start, end) sorted by slot and each one's adapter's
     pages: round j adds page slot + j of every adapter with more than j pages."""
@@ -48,13 +56,15 @@ def lora_batch(
         [(slot + j, start, end) for (slot, start, end), n in zip(segments, pages, strict=True) if n > j]
         for j in range(1, max(pages, default=1))
     ]
-    runs = [(*segment, n) for segment, n in zip(segments, pages, strict=True)]
+    table = [(*segment, n) for segment, n in zip(segments, pages, strict=True)]
     return LoRABatch(
         num_lora_tokens=num_lora_tokens,
         offsets=offsets,
         segments=segments,
-        segment_table=torch.tensor(runs, dtype=torch.int64).reshape(-1, 4),
+        segment_table=torch.tensor(table, dtype=torch.int64).reshape(-1, 4),
         later_pages=later,
+        runs=runs,
+        max_pages=max_pages,
     )
 
 

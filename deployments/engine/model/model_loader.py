@@ -48,6 +48,7 @@ class LoadedModel:
     lora_slot_bytes: int  # all adapter pages together
     lora_pages: int  # device adapter pages (the config's max_loras, or sized from lora_memory_mb)
     lora_page_rank: int  # rank units per page
+    lora_run_pages: int  # the most pages one adapter spans (one of max_lora_rank)
 
 
 def _quantization_config(config: EngineConfig, dtype: torch.dtype) -> BitsAndBytesConfig | None:
@@ -201,6 +202,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         lora_slot_bytes=slot_bytes,
         lora_pages=lora_pages,
         lora_page_rank=page_rank,
+        lora_run_pages=config.pages_per_adapter(device.type),
     )
     log.info(
         "loaded %s (%s, %s on %s): weights %.1f MiB, %d LoRA modules x %d pages = %.1f MiB",

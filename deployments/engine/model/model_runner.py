@@ -45,6 +45,7 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             lora_pages=lora_pages,
+            lora_run_pages=loaded.lora_run_pages,
             chunked=ops is not None and ops.paged_prefill,  # one attention launch per layer for any step
         )
         cuda = self.device.type == "cuda"

@@ -20,6 +20,8 @@ Picked once at load, each part on its own:
   LoRAContext), which keeps the CPU kernel's speed.
 """
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -99,8 +101,7 @@ class Projection:
         from deployments.engine.model.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
-        _one_round(lora)
-        lora_delta(x, self.lora_a, self.lora_b, lora.offsets, y, splits=tuple(self.widths))
+        lora_delta(x, self.lora_a, self.lora_b, lora.offsets, y, splits=tuple(self.widths), **_runs(lora))
 
     def _member_lora(self, x: torch.Tensor, outs: list[torch.Tensor], lora: LoRABatch) -> None:
         """Each member's output is its own base's tensor: one launch per member, each reading only its
@@ -108,12 +109,12 @@ class Projection:
         from deployments.engine.model.gpu_kernels.lora_delta import lora_delta
 
         assert self.lora_a is not None and self.lora_b is not None
-        _one_round(lora)
         rank = self.lora_b.shape[1]
         at = 0
         for i, (y, width) in enumerate(zip(outs, self.widths, strict=True)):
             a = self.lora_a[:, :, i * rank : (i + 1) * rank]
-            lora_delta(x, a, self.lora_b[:, :, at : at + width], lora.offsets, y, splits=(width,))
+            b = self.lora_b[:, :, at : at + width]
+            lora_delta(x, a, b, lora.offsets, y, splits=(width,), **_runs(lora))
             at += width
 
     def _fuse_base(self) -> None:
@@ -162,7 +163,9 @@ def _out_features(module: nn.Module) -> int:
     return int(getattr(module, "out_features"))  # noqa: B009  (quantized linears have no .weight shape)
 
 
-def _one_round(lora: LoRABatch) -> None:
-    """The Triton kernels read the offsets, which cover every token in round 0 only: on CUDA an adapter
-    takes one page (EngineConfig.page_rank_for refuses narrower pages there)."""
-    assert not lora.later_pages, "group LoRA kernels take adapters of one page"
+def _runs(lora: LoRABatch) -> dict[str, Any]:
+    """The Triton kernel reads adapters wider than a page as runs (its `runs` on the device, the widest a
+    fixed bound, so a graph captured once replays any layout); with one page per adapter, the plain kernel."""
+    if lora.max_pages == 1 or lora.runs is None:
+        return {}
+    return {"runs": lora.runs, "max_pages": lora.max_pages}

@@ -35,6 +35,7 @@ class StepInputs:
     attention: AttentionMetadata
     lora: LoRABatch | None  # None when no token of the step carries an adapter
     lora_ends: torch.Tensor  # [lora_pages] the step's round-0 segment ends on the device (LoRABatch.offsets)
+    lora_runs: torch.Tensor  # [lora_pages] each adapter's pages at its slot, on the device (LoRABatch.runs)
     num_rows: int  # logits rows the step needs: the real (unpadded) rows of a decode bucket
 
 
@@ -78,24 +79,27 @@ class StepInputsBuilder:
         max_num_batched_tokens: int,
         max_model_len: int,
         lora_pages: int,
+        lora_run_pages: int = 1,
         chunked: bool = False,
     ) -> None:
         """`chunked`: general steps describe every sequence as one chunk (StepChunks) for a forward whose
-        attention has a paged prefill kernel, instead of decode rows and prefill spans (the SDPA path)."""
+        attention has a paged prefill kernel, instead of decode rows and prefill spans (the SDPA path).
+        `lora_run_pages`: the most pages one adapter spans."""
         self.kv_cache = kv_cache
         self.chunked = chunked
         self.device = device
         self.block_size = kv_cache.block_size
         self.lora_pages = lora_pages
+        self.lora_run_pages = lora_run_pages
         self.max_blocks = -(-max_model_len // self.block_size)  # block-table width that fits any sequence
         self.buckets = decode_buckets(max_num_seqs)
         tokens = max(max_num_batched_tokens, max_num_seqs)
         seqs = max_num_seqs
-        # General steps: 4 per token (ids, positions, slots, logits rows), LoRA ends, and either 2 per decode
-        # row plus its table and the prefill block lists (at most a full table per sequence), or 3 per chunk
-        # plus its table.
+        # General steps: 4 per token (ids, positions, slots, logits rows), LoRA ends and runs, and either 2
+        # per decode row plus its table and the prefill block lists (at most a full table per sequence), or
+        # 3 per chunk plus its table.
         attention = seqs * (3 + self.max_blocks) if chunked else seqs * (2 + 2 * self.max_blocks)
-        general = 4 * tokens + attention + lora_pages
+        general = 4 * tokens + attention + 2 * lora_pages
         bucket = self._bucket_size(self.buckets[-1])
         cuda = device.type == "cuda"
         self._host = torch.zeros(max(general, bucket), dtype=torch.int64, pin_memory=cuda)
@@ -117,7 +121,7 @@ class StepInputsBuilder:
     # -- decode buckets -------------------------------------------------------------------------------
 
     def _bucket_size(self, b: int) -> int:
-        return 4 * b + self.lora_pages + b * self.max_blocks
+        return 4 * b + 2 * self.lora_pages + b * self.max_blocks
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
@@ -133,7 +137,8 @@ class StepInputsBuilder:
         buf, s, w = self._bucket, self.lora_pages, self.max_blocks
         ids, positions, slots, lens = (buf[i * b : (i + 1) * b] for i in range(4))
         ends = buf[4 * b : 4 * b + s]
-        tables = buf[4 * b + s : 4 * b + s + b * w].view(b, w)
+        runs = buf[4 * b + s : 4 * b + 2 * s]
+        tables = buf[4 * b + 2 * s : 4 * b + 2 * s + b * w].view(b, w)
         attention = AttentionMetadata(
             kv_caches=self.kv_cache.layers,
             block_size=self.block_size,
@@ -145,7 +150,7 @@ class StepInputsBuilder:
             all_decode=True,
             decode_width=w,
         )
-        return StepInputs(ids, positions, slots, None, attention, None, ends, b)
+        return StepInputs(ids, positions, slots, None, attention, None, ends, runs, b)
 
     def decode(self, scheduled: list[ScheduledSequence], *, pad: bool) -> StepInputs:
         """A pure-decode step in its bucket's fixed views (padded to the bucket when `pad`)."""
@@ -158,7 +163,8 @@ class StepInputsBuilder:
         host = self._np
         ids, positions, slots, lens = (host[i * b : (i + 1) * b] for i in range(4))
         ends = host[4 * b : 4 * b + s]
-        tables = host[4 * b + s : 4 * b + s + b * w].reshape(b, w)
+        runs = host[4 * b + s : 4 * b + 2 * s]
+        tables = host[4 * b + 2 * s : 4 * b + 2 * s + b * w].reshape(b, w)
         sink_block = self.kv_cache.num_blocks
         cuda = self.device.type == "cuda"
         # Columns past a context must hold valid block ids: the gathered (CPU) path reads up to the widest.
@@ -179,11 +185,11 @@ class StepInputsBuilder:
             slots[n:] = sink_block * bs
             lens[n:] = 1
             tables[n:, :widest] = sink_block
-        lora_tokens = self._segment_ends(scheduled, ends)
-        self._copy(self._bucket, 4 * b + s + b * w)
+        lora_tokens = self._segment_ends(scheduled, ends, runs)
+        self._copy(self._bucket, 4 * b + 2 * s + b * w)
         view.attention.decode_width = widest
         view.attention.forget_masks()  # the views are reused: masks of the last step no longer hold
-        view.lora = self._lora_batch(scheduled, view.lora_ends, lora_tokens)
+        view.lora = self._lora_batch(scheduled, view.lora_ends, view.lora_runs, lora_tokens)
         view.num_rows = n
         return view
 
@@ -222,7 +228,8 @@ class StepInputsBuilder:
         write = self._write_chunks if self.chunked else self._write_spans
         attention_views = write(scheduled, lengths, starts, layout)
         ends_at, ends = layout.take(self.lora_pages)
-        lora_tokens = self._segment_ends(scheduled, ends)
+        runs_at, runs = layout.take(self.lora_pages)
+        lora_tokens = self._segment_ends(scheduled, ends, runs)
         self._copy(self._general, layout.cursor)
         dev = self._general
 
@@ -231,14 +238,16 @@ class StepInputsBuilder:
 
         attention = attention_views(view, view(slot_at, t))
         lora_ends = view(ends_at, self.lora_pages)
+        lora_runs = view(runs_at, self.lora_pages)
         return StepInputs(
             input_ids=view(ids_at, t),
             positions=view(pos_at, t),
             slot_mapping=attention.slot_mapping,
             logits_index=view(rows_at, len(rows)),
             attention=attention,
-            lora=self._lora_batch(scheduled, lora_ends, lora_tokens),
+            lora=self._lora_batch(scheduled, lora_ends, lora_runs, lora_tokens),
             lora_ends=lora_ends,
+            lora_runs=lora_runs,
             num_rows=len(rows),
         )
 
@@ -347,21 +356,25 @@ class StepInputsBuilder:
 
     # -- shared ---------------------------------------------------------------------------------------
 
-    def _segment_ends(self, scheduled: list[ScheduledSequence], ends: npt.NDArray[np.int64]) -> int:
+    def _segment_ends(
+        self, scheduled: list[ScheduledSequence], ends: npt.NDArray[np.int64], runs: npt.NDArray[np.int64]
+    ) -> int:
         """Cumulative token ends per slot, an adapter's first page (the scheduler sorted sequences by slot,
-        base last); returns the number of tokens that carry an adapter."""
+        base last), and each present adapter's pages at its slot (other entries are never read); returns the
+        number of tokens that carry an adapter."""
         per_slot = np.zeros(self.lora_pages, dtype=np.int64)
         lora_tokens = 0
         for item in scheduled:
             if item.seq.slot < 0:
                 break
             per_slot[item.seq.slot] += item.num_tokens
+            runs[item.seq.slot] = item.seq.lora_pages
             lora_tokens += item.num_tokens
         np.cumsum(per_slot, out=ends)
         return lora_tokens
 
     def _lora_batch(
-        self, scheduled: list[ScheduledSequence], offsets: torch.Tensor, lora_tokens: int
+        self, scheduled: list[ScheduledSequence], offsets: torch.Tensor, runs: torch.Tensor, lora_tokens: int
     ) -> LoRABatch | None:
         if lora_tokens == 0:
             return None
@@ -378,7 +391,7 @@ class StepInputsBuilder:
                 segments.append((slot, cursor, cursor + item.num_tokens))
                 pages.append(item.seq.lora_pages)
             cursor += item.num_tokens
-        return lora_batch(segments, pages, offsets, lora_tokens)
+        return lora_batch(segments, pages, offsets, lora_tokens, runs=runs, max_pages=self.lora_run_pages)
 
     def _copy(self, device_buffer: torch.Tensor, count: int) -> None:
         if device_buffer is self._host:

@@ -18,6 +18,10 @@ and adds h @ B into its chunk's columns. Decode thus runs about one program per 
   the chunk by a small cost model, the waves of programs times the bytes one program reads.
 Chunks vary fastest in the grid, so the programs that share a tile (its x rows, its slot's A) run together
 and hit L2.
+- Pages: an adapter wider than one page (lora_layers.py) is a run of consecutive pages; `runs` (on the
+  device, beside the segments) gives each run's length, and a program reads its run's rank units page by
+  page (A columns and B rows at the page stride) into one h, the whole run in one tile (BLOCK_R covers
+  the widest run), so the delta is one h @ B over the run's rank, as the C++ kernel computes it.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from deployments.engine.model.gpu_kernels._triton import (
     tl,
 )
 from deployments.engine.model.gpu_kernels.lora_sgmv import (
+    INDEX_DTYPES,
     MAX_FUSED_MEMBERS,
     add_delta,
     check_segments,
+    run_units,
     shrink_tile,
 )
 
@@ -71,10 +77,11 @@ def _pick(member, v0, v1, v2, v3):
 
 @jit
 def _delta_kernel(
-    x_ptr, a_ptr, b_ptr, ends_ptr, y_ptr, stride_xt, stride_as, stride_ak, stride_bs, stride_br, stride_yt,
-    T, K, R, S, N, col_end0, col_end1, col_end2, chunk_end0, chunk_end1, chunk_end2,
+    x_ptr, a_ptr, b_ptr, ends_ptr, runs_ptr, y_ptr, stride_xt, stride_as, stride_ak, stride_bs, stride_br,
+    stride_yt, T, K, R, S, N, col_end0, col_end1, col_end2, chunk_end0, chunk_end1, chunk_end2,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     COLUMNS: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION_A: tl.constexpr, PRECISION_B: tl.constexpr,
+    RUNS: tl.constexpr,
 ):  # fmt: skip
     slot, row0, end = _tile_of_program(ends_ptr, S, tl.program_id(1), BLOCK_M, BLOCK_S)
     if slot < S:
@@ -91,21 +98,25 @@ def _delta_kernel(
 
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = (rows < end) & (rows < T)
-        # h = x[rows] @ a[slot][:, member*R : (member+1)*R], fp32, rounded to the adapters' dtype
+        run_rank = R
+        if RUNS:  # the adapter's run of pages from its slot on, its rank units side by side
+            run_rank = tl.load(runs_ptr + slot).to(tl.int32) * R
+        # h = x[rows] @ the run's A columns of this member, fp32, rounded to the adapters' dtype
         a_base = a_ptr + slot.to(tl.int64) * stride_as + member * R
         acc = shrink_tile(
-            x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION_A
-        )
+            x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R, run_rank, stride_as,
+            BLOCK_M, BLOCK_K, BLOCK_R, PRECISION_A,
+        )  # fmt: skip
         h = acc.to(b_ptr.dtype.element_ty)
 
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
+        page, unit, r_mask = run_units(R, run_rank, BLOCK_R)
+        b_rows = page * stride_bs + unit * stride_br  # the run's B rows, page by page
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         for n0 in range(col0, col_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < col_end
             b = tl.load(
-                b_base + offs_r[:, None] * stride_br + offs_n[None, :],
+                b_base + b_rows[:, None] + offs_n[None, :],
                 mask=r_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
@@ -199,15 +210,26 @@ def lora_delta(
     y: torch.Tensor,  # [T, sum(splits)], any row stride
     *,
     splits: tuple[int, ...],
+    runs: torch.Tensor | None = None,  # [S] int32/int64: pages of the adapter whose run starts at each slot
+    max_pages: int = 1,  # the widest run
     config: DeltaConfig | None = None,  # tuning (bench.gpu_kernels --sweep); default: delta_config
 ) -> None:
     """y[t, cols(p)] += ((x[t] @ a[slot(t)][:, p*R:(p+1)*R]) @ b[slot(t), :, cols(p)]) for each member p
     (cols(p) = [sum(splits[:p]), sum(splits[:p+1]))), rows with an adapter only, in one launch (one per
-    four members beyond four). x is cast to a's dtype, h to b's, the delta to y's before the add."""
+    four members beyond four). x is cast to a's dtype, h to b's, the delta to y's before the add.
+    With `runs`, slot s's adapter spans pages s .. s + runs[s] - 1 (R rank units each): its A columns and
+    B rows are those pages' side by side, read on the device like the segments (so graphs replay any
+    layout); runs[s] <= max_pages, and a slot without tokens is never read."""
     require_triton()
     slots, k, fused_rank = a.shape
     rank, width = b.shape[1], b.shape[2]
     check_segments(seg_ends, slots)
+    if runs is not None and (
+        runs.shape != (slots,) or runs.dtype not in INDEX_DTYPES or not runs.is_contiguous()
+    ):
+        raise ValueError(f"runs must be a contiguous int32/int64 [S={slots}], got {runs.dtype} {runs.shape}")
+    if max_pages < 1 or (runs is None and max_pages != 1):
+        raise ValueError(f"max_pages {max_pages} needs runs and must be at least 1")
     if not splits or min(splits) <= 0 or sum(splits) != width or b.shape[0] != slots:
         raise ValueError(
             f"splits {splits} must be positive and sum to b's {width} columns, b [S={slots}, R, N]"
@@ -224,14 +246,18 @@ def lora_delta(
     if len(splits) > MAX_FUSED_MEMBERS:  # member bounds are kernel arguments: four members a launch
         done, col = MAX_FUSED_MEMBERS, sum(splits[:MAX_FUSED_MEMBERS])
         head, tail = splits[:done], splits[done:]
-        lora_delta(x, a[:, :, : done * rank], b[:, :, :col], seg_ends, y[:, :col], splits=head, config=config)
-        lora_delta(x, a[:, :, done * rank :], b[:, :, col:], seg_ends, y[:, col:], splits=tail, config=config)
+        for cols, members, part in ((slice(None, col), slice(None, done * rank), head),
+                                    (slice(col, None), slice(done * rank, None), tail)):  # fmt: skip
+            lora_delta(
+                x, a[:, :, members], b[:, :, cols], seg_ends, y[:, cols],
+                splits=part, runs=runs, max_pages=max_pages, config=config,
+            )  # fmt: skip
         return
     if tokens == 0 or slots == 0:
         return
     if config is None:
         config = delta_config(
-            DeltaShape(tokens, slots, tuple(splits), k, rank, x.element_size(), b.element_size(),
+            DeltaShape(tokens, slots, tuple(splits), k, max_pages * rank, x.element_size(), b.element_size(),
                        y.element_size(), sm_count(x.device))
         )  # fmt: skip
     elif config.columns % config.block_n:
@@ -243,11 +269,11 @@ def lora_delta(
     pad = MAX_FUSED_MEMBERS - 1
     grid = (total, row_tiles(tokens, slots, config.block_m))
     _delta_kernel[grid](
-        x, a, b, seg_ends, y, x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        tokens, k, rank, slots, width, *(col_ends[:-1] + [width] * pad)[:pad],
-        *(chunk_ends[:-1] + [total] * pad)[:pad],
-        BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_R=max(16, next_power_of_2(rank)),
+        x, a, b, seg_ends, seg_ends if runs is None else runs, y, x.stride(0), a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), y.stride(0), tokens, k, rank, slots, width,
+        *(col_ends[:-1] + [width] * pad)[:pad], *(chunk_ends[:-1] + [total] * pad)[:pad],
+        BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_R=max(16, next_power_of_2(max_pages * rank)),
         BLOCK_N=config.block_n, COLUMNS=config.columns, BLOCK_S=max(16, next_power_of_2(slots)),
-        PRECISION_A=dot_precision(a.dtype), PRECISION_B=dot_precision(b.dtype),
+        PRECISION_A=dot_precision(a.dtype), PRECISION_B=dot_precision(b.dtype), RUNS=runs is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -7,6 +7,9 @@ column block) from shapes only: a program whose row block starts past its slot's
 one launch serves any split of T tokens among the slots and stays valid inside a captured graph. Rows
 without an adapter are left untouched, in h as in y.
 
+The pair takes adapters of one page (bench.gpu_kernels compares it with lora_delta.py, which the engine
+runs and which also reads adapters in runs of pages).
+
 Fused projections: one shrink over the members' A matrices concatenated along R (a [S, K, P * R]) gives h
 [T, P * R]; one expand adds member p's h columns [p * R, (p + 1) * R) times its B columns into its own y
 columns (b [S, R, sum(splits)] holds the members' B side by side).
@@ -41,13 +44,22 @@ def _segment_rows(ends_ptr, s, BLOCK_M: tl.constexpr):
 
 
 @jit
+def run_units(R, run_rank, BLOCK_R: tl.constexpr):
+    """Rank unit u of a run of pages (lora_layers.py: an adapter wider than one page takes consecutive
+    pages) is unit u % R of page u // R; the mask keeps the units the run has."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return offs_r // R, offs_r % R, offs_r < run_rank
+
+
+@jit
 def shrink_tile(
-    x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R,
+    x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R, run_rank, stride_ap,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """x[rows] @ A [K, R] (a_base: its first element; R contiguous) in fp32, x cast to A's dtype."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
+    """x[rows] @ A [K, run_rank] in fp32, x cast to A's dtype. a_base: the run's first element; each page
+    holds R contiguous columns, pages stride_ap apart (run_rank == R: one page, the stride unused)."""
+    page, unit, r_mask = run_units(R, run_rank, BLOCK_R)
+    a_cols = page * stride_ap + unit
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -58,7 +70,7 @@ def shrink_tile(
             other=0.0,
         )
         a = tl.load(
-            a_base + offs_k[:, None] * stride_ak + offs_r[None, :],
+            a_base + offs_k[:, None] * stride_ak + a_cols[None, :],
             mask=k_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
@@ -86,8 +98,9 @@ def _shrink_kernel(
     if live:
         a_base = a_ptr + s.to(tl.int64) * stride_as
         acc = shrink_tile(
-            x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION
-        )
+            x_ptr, a_base, rows, row_mask, stride_xt, stride_ak, K, R, R, stride_as,
+            BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
+        )  # fmt: skip
         offs_r = tl.arange(0, BLOCK_R)
         tl.store(
             h_ptr + rows[:, None] * stride_ht + offs_r[None, :],
