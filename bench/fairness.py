@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny model, a small backlog: seconds")
     parser.add_argument("--repeats", type=int, default=None, help="rounds per peer (default 5, tiny 1)")
     parser.add_argument("--output-tokens", type=int, default=None, help="backlog outputs (default 128)")
-    parser.add_argument("--fair-wait-bound-s", type=float, default=0.5, help="the engine's (default 0.5)")
+    parser.add_argument("--fair-wait-bound-s", type=float, default=0.1, help="the engine's (default 0.1)")
     parser.add_argument("--serve", action="store_true", help="through the Serve app over HTTP (minutes)")
     args = parser.parse_args()
     if args.serve:

@@ -172,7 +172,7 @@ class EngineConfig(BaseModel):
         ),
     )
     fair_wait_bound_s: float = Field(
-        default=0.5,
+        default=0.1,
         ge=0,
         description=(
             "With scheduling fair, when every row is taken and the next tenant in the fair order has waited "
