@@ -14,8 +14,8 @@ def check_invariants(table: SlotTable) -> None:
     refs = [r for r in table._ref if r is not None]
     assert len(refs) == len(set(refs)), "a ref sits in two slots"
     assert table.resident() == {r: s for s, r in enumerate(table._ref) if r is not None}
-    free = set(table._free)
-    assert len(free) == len(table._free), "a slot is twice on the free list"
+    free = {page for page in range(table.num_slots) if table._owner[page] < 0}
+    assert table.free_pages == len(free)
     for slot in range(table.num_slots):
         users = table.users(slot)
         assert users >= 0, f"slot {slot} has {users} users"
@@ -41,12 +41,13 @@ def check_runs(table: SlotTable) -> None:
         for page in range(slot, slot + width):
             assert page not in covered, f"page {page} is in the runs of slots {covered[page]} and {slot}"
             covered[page] = slot
-    assert sorted(table._free) == sorted(set(range(table.num_slots)) - set(covered)), "free pages"
+    free = [page for page in range(table.num_slots) if table._owner[page] < 0]
+    assert free == sorted(set(range(table.num_slots)) - set(covered)), "free pages"
     assert [table._owner[p] for p in range(table.num_slots)] == [
         covered.get(p, -1) for p in range(table.num_slots)
     ]
     idle_pages = sum(table.pages_at(s) for s in table._idle if table._ref[s] not in table.pinned)
-    assert table.num_free == len(table._free) + idle_pages
+    assert table.num_free == len(free) + idle_pages
 
 
 def loaded(table: SlotTable, ref: AdapterRef, users: int = 0, pages: int = 1) -> int:
@@ -394,7 +395,7 @@ def test_remove_frees_idle_slots_at_once_and_busy_ones_at_their_last_release() -
     assert table.users(a2) == 2
     assert table.lookup(B) == b
     assert table.num_free == 2
-    assert sorted(table._free) == sorted([a1, a3])
+    assert [p for p in range(table.num_slots) if table._owner[p] < 0] == sorted([a1, a3])
     check_invariants(table)
     table.release(a2)
     assert table.holds(AdapterRef("a", 2))

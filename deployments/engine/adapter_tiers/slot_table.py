@@ -35,7 +35,6 @@ class SlotTable:
         self._idle: OrderedDict[int, None] = (
             OrderedDict()
         )  # occupied, unused slots; least recently used first
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._draining: set[int] = set()
         self._removed: set[int] = set()  # draining because their adapter was deleted: never taken back
         self.pinned: set[AdapterRef] = set()
@@ -83,7 +82,6 @@ class SlotTable:
             for victim in sorted({self._owner[p] for p in range(slot, slot + pages)} - {-1}):
                 self._evict(victim)
         for page in range(slot, slot + pages):
-            self._free.remove(page)
             self._owner[page] = slot
         self._ref[slot] = ref
         self._pages[slot] = pages
@@ -209,7 +207,7 @@ class SlotTable:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self._owner.count(-1)
 
     @property
     def draining_pages(self) -> int:
@@ -264,7 +262,7 @@ class SlotTable:
     def num_free(self) -> int:
         """Pages new adapters could take now without waiting: free, or held by idle unpinned ones."""
         idle = sum(self._pages[s] for s in self._idle if self._ref[s] not in self.pinned)
-        return len(self._free) + idle
+        return self.free_pages + idle
 
     def _evict(self, slot: int) -> None:
         ref = self._ref[slot]
@@ -277,5 +275,4 @@ class SlotTable:
         self._removed.discard(slot)
         for page in range(slot, slot + self._pages[slot]):
             self._owner[page] = -1
-            self._free.append(page)
         self._pages[slot] = 0
