@@ -297,17 +297,20 @@ class AdapterManager:
             and (among is None or s in among)
             and not (batch and self._for_interactive(s))
         }
-        victims = self.slots.busy_window(
-            self._pages_of(weights),
-            candidates,
-            cost=lambda s: (self._demand_of(s), self.slots.users(s), self._remaining.get(s, 0)),
-            keep=self._keep_for(batch),
+        victims = (
+            self.slots.busy_window(
+                self._pages_of(weights),
+                candidates,
+                cost=lambda s: (self._demand_of(s), self.slots.users(s), self._remaining.get(s, 0)),
+                keep=self._keep_for(batch),
+            )
+            or []
         )
         drainable = set(self.slots.drainable())
-        for victim in victims or []:
+        for victim in victims:
             if victim in drainable:
                 self.slots.start_draining(victim)
-        return victims or []
+        return victims
 
     def _demand_of(self, slot: int) -> int:
         ref = self.slots.ref_at(slot)

@@ -40,7 +40,6 @@ from deployments.engine.model.gpu_kernels._triton import (
     tl,
 )
 from deployments.engine.model.gpu_kernels.lora_sgmv import (
-    INDEX_DTYPES,
     MAX_FUSED_MEMBERS,
     add_delta,
     check_segments,
@@ -224,10 +223,8 @@ def lora_delta(
     slots, k, fused_rank = a.shape
     rank, width = b.shape[1], b.shape[2]
     check_segments(seg_ends, slots)
-    if runs is not None and (
-        runs.shape != (slots,) or runs.dtype not in INDEX_DTYPES or not runs.is_contiguous()
-    ):
-        raise ValueError(f"runs must be a contiguous int32/int64 [S={slots}], got {runs.dtype} {runs.shape}")
+    if runs is not None:
+        check_segments(runs, slots, "runs")
     if max_pages < 1 or (runs is None and max_pages != 1):
         raise ValueError(f"max_pages {max_pages} needs runs and must be at least 1")
     if not splits or min(splits) <= 0 or sum(splits) != width or b.shape[0] != slots:

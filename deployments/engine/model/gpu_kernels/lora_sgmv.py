@@ -145,10 +145,11 @@ def _block_m(tokens: int) -> int:
 INDEX_DTYPES = (torch.int32, torch.int64)  # the engine packs its step metadata in int64
 
 
-def check_segments(seg_ends: torch.Tensor, slots: int) -> None:
+def check_segments(seg_ends: torch.Tensor, slots: int, name: str = "seg_ends") -> None:
+    """A per-slot index tensor read on the device (the segment ends, or lora_delta's run lengths)."""
     if seg_ends.shape != (slots,) or seg_ends.dtype not in INDEX_DTYPES or not seg_ends.is_contiguous():
         raise ValueError(
-            f"seg_ends must be a contiguous int32/int64 [S={slots}], got {seg_ends.dtype} {seg_ends.shape}"
+            f"{name} must be a contiguous int32/int64 [S={slots}], got {seg_ends.dtype} {seg_ends.shape}"
         )
 
 
