@@ -171,9 +171,10 @@ class Admission:
                 )
             finished = True
         except LimiterUnavailable as error:
-            # A call that timed out may still have admitted us over there: give any lease back.
+            # A call that timed out may still have admitted us over there: give any lease back, and keep
+            # trying while the limiter is away, or that lease holds one of the tenant's slots until its TTL.
             with anyio.CancelScope(shield=True):
-                await _quietly(backend.release(tenant, request_id, 0))
+                await _release_or_retry(backend, tenant, request_id, 0, limits.lease_ttl_ms)
             if fail_open:
                 log.warning("rate limiter unavailable, admitting (fail-open): %s", error)
                 return cls(None, tenant, request_id, limits, None)
@@ -278,13 +279,9 @@ class Admission:
             return
         self._released = True
         with anyio.CancelScope(shield=True):
-            try:
-                await self.backend.release(self.tenant, self.request_id, used_tokens)
-            except Exception as error:  # the limiter is away: keep trying, or the lease holds a slot
-                log.warning("releasing %s failed, retrying in the background: %s", self.request_id, error)
-                retry = asyncio.ensure_future(self._release_until_done(used_tokens))
-                _RETRIES.add(retry)
-                retry.add_done_callback(_RETRIES.discard)
+            await _release_or_retry(
+                self.backend, self.tenant, self.request_id, used_tokens, self.limits.lease_ttl_ms
+            )
 
     async def delivering(self) -> None:
         """The request's output is all written: its lease waits only for the proxy to deliver it, and a
@@ -301,19 +298,37 @@ class Admission:
         self.hold = None
         await self.release(0)
 
-    async def _release_until_done(self, used_tokens: int) -> None:
-        """Release is idempotent per request id, so retrying is safe; past the lease's life it has expired."""
-        assert self.backend is not None
-        deadline = time.monotonic() + self.limits.lease_ttl_ms / 1000
-        wait = 0.5
-        while time.monotonic() < deadline:
-            await asyncio.sleep(wait)
-            try:
-                await self.backend.release(self.tenant, self.request_id, used_tokens)
-                return
-            except Exception:
-                wait = min(wait * 2, 5.0)
-        log.warning("gave up releasing %s: its lease has expired by now", self.request_id)
+
+async def _release_or_retry(
+    backend: LimiterBackend, tenant: str, request_id: str, used_tokens: int, lease_ttl_ms: int
+) -> None:
+    """Release a lease; when the limiter is away, keep trying in the background (the lease holds one of
+    the tenant's slots until then)."""
+    try:
+        await backend.release(tenant, request_id, used_tokens)
+    except Exception as error:
+        log.warning("releasing %s failed, retrying in the background: %s", request_id, error)
+        retry = asyncio.ensure_future(
+            _release_until_done(backend, tenant, request_id, used_tokens, lease_ttl_ms)
+        )
+        _RETRIES.add(retry)
+        retry.add_done_callback(_RETRIES.discard)
+
+
+async def _release_until_done(
+    backend: LimiterBackend, tenant: str, request_id: str, used_tokens: int, lease_ttl_ms: int
+) -> None:
+    """Release is idempotent per request id, so retrying is safe; past the lease's life it has expired."""
+    deadline = time.monotonic() + lease_ttl_ms / 1000
+    wait = 0.5
+    while time.monotonic() < deadline:
+        await asyncio.sleep(wait)
+        try:
+            await backend.release(tenant, request_id, used_tokens)
+            return
+        except Exception:
+            wait = min(wait * 2, 5.0)
+    log.warning("gave up releasing %s: its lease has expired by now", request_id)
 
 
 async def _renew_while_held(ref: "weakref.ref[Admission]", every: float) -> None:

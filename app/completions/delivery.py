@@ -96,15 +96,21 @@ def _json(body: dict[str, Any], headers: dict[str, str]) -> JSONResponse:
 async def _events(life: RequestLifecycle, renderer: Renderer, first: RequestOutput) -> AsyncIterator[str]:
     last = first
     status: RequestStatus = "aborted"
+    # Until the first event is written, a lost replica still runs the request again elsewhere (the
+    # lifecycle's failover): an output under a new engine id is that restart, and the stream starts over.
+    opening: list[str] = []
     try:
-        life.client_has_output = True
         opening = renderer.opening(first)
         out: RequestOutput | None = first
         while out is not None:
+            if out.request_id != last.request_id:
+                renderer.reset()
+                opening = renderer.opening(out)
             last = out
             if out.finish_reason is FinishReason.ERROR:
                 status = "failed"
                 await life.written()
+                life.client_has_output = True
                 yield "".join(opening + renderer.failure(out.error or RequestFailed()))
                 return
             events = await _shaped(renderer.heavy(out), renderer.events, out)
@@ -113,14 +119,17 @@ async def _events(life: RequestLifecycle, renderer: Renderer, first: RequestOutp
             if out.finished:  # before the client can see the end and send its next request
                 await life.written()
             if events:
+                life.client_has_output = True
                 yield "".join(events)
             out = None if out.finished else await life.next_output()
         status = "completed"
-        yield "".join(await renderer.closing(last))
+        life.client_has_output = True
+        yield "".join(opening + await renderer.closing(last))
     except EngineError as error:  # e.g. the replica died mid-stream: say so in the stream, then end it
         status = "failed"
         await life.written()
-        yield "".join(renderer.failure(error))
+        life.client_has_output = True
+        yield "".join(opening + renderer.failure(error))
     finally:
         # Leaving early (client gone, cancellation) stops the engine request and bills what it did.
         await uncancellable(life.close(status))

@@ -145,8 +145,9 @@ async def mixed_burst(app: ServeApp, key: str, names: list[str]) -> list[dict[st
             async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 lines = [line[6:] async for line in r.aiter_lines() if line.startswith("data: {")]
             events = [json.loads(line) for line in lines]
-            return {"id": events[0]["id"] if events else None, "status": r.status_code, "events": events,
-                    "stream": True}  # fmt: skip
+            # A stream lost before any output (every failover attempt lost too) is its error event alone.
+            ids = [event["id"] for event in events if "id" in event]
+            return {"id": ids[0] if ids else None, "status": r.status_code, "events": events, "stream": True}
 
         return await asyncio.gather(*(one(i) for i in range(len(names) * 2)))
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from app.completions.admission import Admission
-from app.limits import LimiterUnavailable, Limits
+from app.limits import Decision, LimiterUnavailable, Limits
 from app.limits.local_backend import LocalLimiter
 from app.limits.redis_backend import RedisLimiter
 
@@ -42,6 +42,32 @@ async def test_a_failed_release_is_retried_until_the_lease_is_gone() -> None:
         await asyncio.sleep(0.1)
     assert (await backend.peek("t")).in_flight == 0 and backend.failures == 0
     assert (await backend.peek("t")).tokens == 3  # reconciled to what was used
+
+
+class AdmitsButTimesOut(FlakyRelease):
+    """The admit lands over there but its answer is lost (a timeout), and the limiter stays away for the
+    next `failures` releases."""
+
+    async def admit(
+        self, tenant: str, request_id: str, limits: Limits, reserve_tokens: int, *, wait_ms: int = 0,
+        sequences: int = 1,
+    ) -> Decision:  # fmt: skip
+        await super().admit(tenant, request_id, limits, reserve_tokens, wait_ms=wait_ms, sequences=sequences)
+        raise LimiterUnavailable("timed out")
+
+
+async def test_a_lease_admitted_by_a_call_that_timed_out_is_given_back_once_the_limiter_is_back() -> None:
+    backend = AdmitsButTimesOut(failures=2)
+    with pytest.raises(LimiterUnavailable):
+        await Admission.acquire(
+            backend, tenant="t", tier="x", request_id="r1", limits=LIMITS, reserve=10, fail_open=False
+        )
+    assert (await backend.peek("t")).in_flight == 1  # the orphan, while the limiter is away
+    for _ in range(40):
+        if (await backend.peek("t")).in_flight == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert (await backend.peek("t")).in_flight == 0 and backend.failures == 0
 
 
 async def test_redis_connections_killed_by_an_outage_are_replaced(
