@@ -98,6 +98,7 @@ async def _events(life: RequestLifecycle, renderer: Renderer, first: RequestOutp
     status: RequestStatus = "aborted"
     # Until the first event is written, a lost replica still runs the request again elsewhere (the
     # lifecycle's failover): an output under a new engine id is that restart, and the stream starts over.
+    # The failover reads `client_has_output` only while outputs still come, so only the loop's write sets it.
     opening: list[str] = []
     try:
         opening = renderer.opening(first)
@@ -110,7 +111,6 @@ async def _events(life: RequestLifecycle, renderer: Renderer, first: RequestOutp
             if out.finish_reason is FinishReason.ERROR:
                 status = "failed"
                 await life.written()
-                life.client_has_output = True
                 yield "".join(opening + renderer.failure(out.error or RequestFailed()))
                 return
             events = await _shaped(renderer.heavy(out), renderer.events, out)
@@ -123,12 +123,10 @@ async def _events(life: RequestLifecycle, renderer: Renderer, first: RequestOutp
                 yield "".join(events)
             out = None if out.finished else await life.next_output()
         status = "completed"
-        life.client_has_output = True
         yield "".join(opening + await renderer.closing(last))
     except EngineError as error:  # e.g. the replica died mid-stream: say so in the stream, then end it
         status = "failed"
         await life.written()
-        life.client_has_output = True
         yield "".join(opening + renderer.failure(error))
     finally:
         # Leaving early (client gone, cancellation) stops the engine request and bills what it did.

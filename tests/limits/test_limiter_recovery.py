@@ -29,6 +29,14 @@ class FlakyRelease(LocalLimiter):
         await super().release(tenant, request_id, used_tokens)
 
 
+async def lease_gone(backend: LocalLimiter, within_s: float = 4.0) -> None:
+    """Wait (at most `within_s`) for tenant t to hold no lease; the caller asserts that it does not."""
+    for _ in range(int(within_s / 0.1)):
+        if (await backend.peek("t")).in_flight == 0:
+            return
+        await asyncio.sleep(0.1)
+
+
 async def test_a_failed_release_is_retried_until_the_lease_is_gone() -> None:
     backend = FlakyRelease(failures=2)
     admission = await Admission.acquire(
@@ -36,10 +44,7 @@ async def test_a_failed_release_is_retried_until_the_lease_is_gone() -> None:
     )
     await admission.release(3)  # fails: returns at once all the same
     assert (await backend.peek("t")).in_flight == 1
-    for _ in range(40):
-        if (await backend.peek("t")).in_flight == 0:
-            break
-        await asyncio.sleep(0.1)
+    await lease_gone(backend)
     assert (await backend.peek("t")).in_flight == 0 and backend.failures == 0
     assert (await backend.peek("t")).tokens == 3  # reconciled to what was used
 
@@ -63,10 +68,7 @@ async def test_a_lease_admitted_by_a_call_that_timed_out_is_given_back_once_the_
             backend, tenant="t", tier="x", request_id="r1", limits=LIMITS, reserve=10, fail_open=False
         )
     assert (await backend.peek("t")).in_flight == 1  # the orphan, while the limiter is away
-    for _ in range(40):
-        if (await backend.peek("t")).in_flight == 0:
-            break
-        await asyncio.sleep(0.1)
+    await lease_gone(backend)
     assert (await backend.peek("t")).in_flight == 0 and backend.failures == 0
 
 
