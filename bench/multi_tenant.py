@@ -7,6 +7,8 @@ all-resident engine in this run, log-normal prompt and output lengths. Peers:
   ours      max_loras slots (default 16) and a CPU tier smaller than N (default 64): adapters are read
             from the store, cached in CPU memory and written into slots as the scheduler needs them.
   resident  N slots and N CPU entries, every adapter in a slot before the run: no load ever happens.
+  no_read_wait  (--read-wait-peer) ours with adapter_read_wait_s 0: a cold adapter's read always overlaps
+            the steps, so its request starts a step later (the engine before the read wait).
   max_rank_slots  (--slots-peer) ours with one page an adapter (lora_page_rank = the largest rank): the same
             memory in max-rank slots, as before adapter memory was sized by rank.
 Rounds alternate the peers (A B, B A, ...), each round on a fresh trace (so no prefix is cached from the
@@ -23,6 +25,7 @@ import json
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +52,17 @@ class RunResult:
     loads: int  # adapter writes into slots
     evictions: int
     store_reads: int  # disk/object store -> CPU tier
+    store_read_ms: float  # mean time of one (on a loader thread, beside the steps)
     slot_preemptions: int  # running sequences preempted to give an overdue adapter their slot
     requests: int
     mean_batch: float  # running sequences per step: how full the batch stayed
+    # Where the slowest 2% of requests (by TTFT) spent it, medians in seconds: waiting for their adapter's
+    # store read (those whose adapter was in neither tier on arrival), then for a slot and a row, then from
+    # their first step to their first token (prefill, chunked beside other work).
+    tail_store_wait_s: float
+    tail_slot_row_wait_s: float
+    tail_first_step_s: float
+    tail_cold: float  # the share of them whose adapter was in neither tier on arrival
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,16 +75,19 @@ def replay(
 ) -> RunResult:
     """Feed the trace in real time (arrivals join between steps) and step until everything finished."""
     slots, cpu = engine.adapters.slots, engine.adapters.cpu
-    loads0, evictions0, reads0 = slots.loads, slots.evictions, cpu.loads
+    loads0, evictions0, reads0, read_s0 = slots.loads, slots.evictions, cpu.loads, cpu.load_seconds
     taken0 = engine.scheduler.slot_preemptions
     prompts = [prompt_tokens(a, vocab) for a in trace]
     pending = deque(enumerate(trace))
     added: dict[str, float] = {}
     due: dict[str, float] = {}
+    cold: dict[str, AdapterRef] = {}  # requests whose adapter was in neither tier when they arrived
+    scheduled: dict[str, float] = {}
     first: dict[str, float] = {}
     waits: list[float] = []
     tokens = steps = batch = 0
     start = time.perf_counter()
+    monotonic_start = time.monotonic()  # the CPU tier's load times are time.monotonic()
     last = 0.0
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
@@ -81,7 +95,10 @@ def replay(
             i, a = pending.popleft()
             rid = f"{tag}-{i}"
             params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
-            engine.add_request(EngineRequest(rid, prompts[i], params, refs[a.adapter]))
+            ref = refs[a.adapter]
+            if not cpu.is_ready(ref) and not slots.holds(ref):
+                cold[rid] = ref
+            engine.add_request(EngineRequest(rid, prompts[i], params, ref))
             added[rid], due[rid] = now, a.at_s
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(0.005, pending[0][1].at_s - now)))
@@ -101,8 +118,21 @@ def replay(
                 if out.error is not None:
                     raise RuntimeError(f"{out.request_id} failed: {out.error}")
                 assert out.usage is not None
-                waits.append(added[out.request_id] - due[out.request_id] + out.usage.queue_ms / 1e3)
+                rid = out.request_id
+                waits.append(added[rid] - due[rid] + out.usage.queue_ms / 1e3)
+                scheduled[rid] = added[rid] + out.usage.queue_ms / 1e3
     ttfts = [first[rid] - due[rid] for rid in due]
+    tail = sorted(due, key=lambda rid: first[rid] - due[rid])[-max(1, len(due) // 50) :]
+
+    def store_wait(rid: str) -> float:
+        if rid not in cold:
+            return 0.0
+        ready = cpu.loaded_at.get(cold[rid], 0.0) - monotonic_start
+        return max(0.0, min(ready, scheduled[rid]) - due[rid])
+
+    def tail_median(part: Callable[[str], float]) -> float:
+        return round(statistics.median(part(rid) for rid in tail), 4)
+
     return RunResult(
         throughput=tokens / last,
         makespan_s=last,
@@ -112,9 +142,14 @@ def replay(
         loads=slots.loads - loads0,
         evictions=slots.evictions - evictions0,
         store_reads=cpu.loads - reads0,
+        store_read_ms=round((cpu.load_seconds - read_s0) * 1e3 / max(1, cpu.loads - reads0), 1),
         slot_preemptions=engine.scheduler.slot_preemptions - taken0,
         requests=len(trace),
         mean_batch=batch / max(1, steps),
+        tail_store_wait_s=tail_median(store_wait),
+        tail_slot_row_wait_s=tail_median(lambda rid: scheduled[rid] - due[rid] - store_wait(rid)),
+        tail_first_step_s=tail_median(lambda rid: first[rid] - scheduled[rid]),
+        tail_cold=round(sum(rid in cold for rid in tail) / len(tail), 2),
     )
 
 
@@ -125,7 +160,9 @@ def make_engine(
     slots: int,
     cpu_slots: int,
     page_rank: int | None = None,
+    read_wait_s: float | None = None,
 ) -> LLMEngine:
+    read_wait = {} if read_wait_s is None else {"adapter_read_wait_s": read_wait_s}
     return LLMEngine(
         EngineConfig(
             model=model_dir,
@@ -139,6 +176,7 @@ def make_engine(
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_mb=args.kv_cache_mb,
             adapter_wait_bound_s=args.wait_bound,
+            **read_wait,
         )
     )
 
@@ -181,6 +219,12 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=16, help="max_loras of our engine")
     parser.add_argument("--cpu-adapters", type=int, default=64, help="max_cpu_loras of our engine (< N)")
     parser.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of capacity")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        help="arrival rate in requests/s (overrides --load): one rate for every point of a sweep over "
+        "--adapters, as the all-resident capacity falls with the number of adapters it holds",
+    )
     parser.add_argument("--zipf", type=float, default=1.1, help="popularity skew exponent")
     parser.add_argument("--requests", type=int, default=600, help="per run")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (each runs both peers)")
@@ -196,6 +240,9 @@ def main() -> None:
     parser.add_argument(
         "--slots-peer", action="store_true", help="also run ours in max-rank slots (one page an adapter)"
     )
+    parser.add_argument(
+        "--read-wait-peer", action="store_true", help="also run ours with adapter_read_wait_s 0"
+    )
     parser.add_argument("--quick", action="store_true", help="64 adapters, 200 requests, 2 rounds")
     parser.add_argument("--tiny", action="store_true", help="the tiny model, 12 adapters: checks it runs")
     args = parser.parse_args()
@@ -205,7 +252,7 @@ def main() -> None:
         args.preset, args.adapters, args.requests, args.repeats = "tiny", 12, 40, 1
         args.slots, args.cpu_adapters, args.ranks, args.max_num_seqs = 4, 6, "4,8", 8
         args.requests, args.prompt_median, args.output_median = 24, 16, 4
-        args.page_rank, args.slots_peer = 4, True
+        args.page_rank, args.slots_peer, args.read_wait_peer = 4, True, True
     args.ranks = [int(r) for r in args.ranks.split(",")]
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cpu_features().native_bf16 or torch.cuda.is_available() else "float32"
@@ -219,12 +266,16 @@ def main() -> None:
     vocab = ours.loaded.vocab_size
     make_resident(resident, refs)
     cap = capacity(resident, refs, vocab, args)
-    rate = args.load * cap
+    rate = args.rate or args.load * cap
 
     peers = {"ours": ours, "resident": resident}
     if args.slots_peer:
         peers["max_rank_slots"] = make_engine(
             args, model_dir, store_root, args.slots, args.cpu_adapters, max(args.ranks)
+        )
+    if args.read_wait_peer:
+        peers["no_read_wait"] = make_engine(
+            args, model_dir, store_root, args.slots, args.cpu_adapters, args.page_rank, read_wait_s=0.0
         )
     runs: dict[str, list[RunResult]] = {name: [] for name in peers}
 
@@ -242,11 +293,12 @@ def main() -> None:
     for engine in peers.values():
         engine.close()
 
-    def per_round(field: str, name: str = "ours") -> dict[str, float]:
-        values = [
-            getattr(a, field) / getattr(b, field) for a, b in zip(runs[name], runs["resident"], strict=True)
-        ]
+    def per_round_vs(field: str, name: str, peer: str) -> dict[str, float]:
+        values = [getattr(a, field) / getattr(b, field) for a, b in zip(runs[name], runs[peer], strict=True)]
         return spread(values)
+
+    def per_round(field: str, name: str = "ours") -> dict[str, float]:
+        return per_round_vs(field, name, "resident")
 
     def summary(name: str) -> dict[str, Any]:
         rs = runs[name]
@@ -258,8 +310,13 @@ def main() -> None:
             "loads": [r.loads for r in rs],
             "evictions": [r.evictions for r in rs],
             "store_reads": [r.store_reads for r in rs],
+            "store_read_ms": [r.store_read_ms for r in rs],
             "slot_preemptions": [r.slot_preemptions for r in rs],
             "mean_batch": [round(r.mean_batch, 1) for r in rs],
+            "tail_store_wait_s": [r.tail_store_wait_s for r in rs],
+            "tail_slot_row_wait_s": [r.tail_slot_row_wait_s for r in rs],
+            "tail_first_step_s": [r.tail_first_step_s for r in rs],
+            "tail_cold": [r.tail_cold for r in rs],
         }
 
     throughput, ttft = per_round("throughput"), per_round("ttft_p99")
@@ -271,8 +328,17 @@ def main() -> None:
         if args.slots_peer
         else {}
     )
+    read_wait = (
+        {
+            "no_read_wait_ttft_p99_vs_ours": per_round_vs("ttft_p99", "no_read_wait", "ours"),
+            "no_read_wait_throughput_vs_ours": per_round_vs("throughput", "no_read_wait", "ours"),
+        }
+        if args.read_wait_peer
+        else {}
+    )
     result = {
         **in_slots,
+        **read_wait,
         "throughput_vs_resident": throughput["median"],
         "throughput_vs_resident_spread": throughput,
         "ttft_p99_vs_resident": ttft["median"],

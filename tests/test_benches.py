@@ -86,6 +86,7 @@ BENCHES = {
         "slots",
         "lora_page_rank",
         "max_rank_slots_ttft_p99_vs_resident",
+        "no_read_wait_ttft_p99_vs_ours",
     },
 }
 RUN_ELSEWHERE = {

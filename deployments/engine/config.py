@@ -233,6 +233,16 @@ class EngineConfig(BaseModel):
             "slots (churn); 0: slots trade as soon as another adapter waits."
         ),
     )
+    adapter_read_wait_s: float = Field(
+        default=0.02,
+        ge=0,
+        description=(
+            "When the store's recent reads took at most this long (a local disk), a read started for an "
+            "adapter about to take a slot for interactive work is waited for, at most this long a step: its "
+            "request then starts in this step instead of the next, at the price of this step's delay for the "
+            "requests already running. A slower store (an object store) is never waited for. 0: never wait."
+        ),
+    )
     stats_top_adapters: int = Field(
         default=16,
         ge=1,

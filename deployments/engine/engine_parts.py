@@ -187,6 +187,7 @@ def _adapter_manager(config: EngineConfig, m: LoadedModel, digests: DigestSource
         retry_s=config.adapter_retry_s,
         retry_max_s=config.adapter_retry_max_s,
         min_residency_s=config.adapter_min_residency_s,
+        read_wait_s=config.adapter_read_wait_s,
     )
 
 

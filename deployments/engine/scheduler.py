@@ -346,7 +346,9 @@ class Scheduler:
                 remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
         self.adapters.plan(queued, remaining, order, self._interactive_refs())
         cold = [ref for ref in order if not slots.holds(ref)]  # a draining one waits for its slot to free
-        return cold[: max(1, self.adapters.claimable_count(cold))]
+        turn = cold[: max(1, self.adapters.claimable_count(cold))]
+        self.adapters.wait_for_reads(turn)
+        return turn
 
     def _interactive_refs(self) -> frozenset[AdapterRef]:
         """The adapters interactive sequences run or wait for, or did within batch_interactive_window_s: the

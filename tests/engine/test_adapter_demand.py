@@ -1,9 +1,15 @@
 """The adapter tiers follow the queue: queued adapters load ahead of admission, slots that queued requests
 want are neither evicted nor drained while another would do, and a cold adapter's wait stays bounded."""
 
+import threading
 import time
+from pathlib import Path
 
+import pytest
+
+from adapters.ref import AdapterRef
 from deployments.engine.interface import EngineRequest, FinishReason
+from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.sampling_params import SamplingParams
 from tests.engine.helpers import drain, make_engine, preload
 from tests.model_fixtures import TinySetup
@@ -152,4 +158,56 @@ def test_an_overdue_wide_adapter_frees_its_whole_run_in_one_step(llama: TinySetu
     assert resident_when_preempted is True, "the wide adapter took its run in the step that freed it"
     assert outputs["pirate"] == expected["pirate"] and outputs["sql"] == expected["sql"]
     assert len(outputs["poet"]) == 2
+    engine.close()
+
+
+def first_tokens_in_first_step(engine: LLMEngine, requests: list[EngineRequest]) -> set[str]:
+    for request in requests:
+        engine.add_request(request)
+    return {out.request_id for out in engine.step() if out.token_ids}
+
+
+def test_a_quick_read_of_a_cold_adapter_is_waited_for_so_its_request_starts_in_the_first_step(
+    llama: TinySetup,
+) -> None:
+    """A read shorter than the bound is waited for once: an interactive request for an adapter in neither
+    tier gets its first token from the step it arrived before, like a request for a resident one."""
+    cold = llama.refs["demo-chef"]
+    engine = make_engine(llama, adapter_read_wait_s=WAIT)  # far above any read of a tiny adapter
+    assert engine.adapters.cpu.get(cold) is None
+    started = first_tokens_in_first_step(engine, [EngineRequest("cold", [1, 2, 3], greedy(2), cold)])
+    assert started == {"cold"}
+    assert engine.adapters.read_waits == 1
+    engine.close()
+
+    batch = make_engine(llama, adapter_read_wait_s=WAIT)  # the batch class never makes others wait
+    request = EngineRequest("line", [1, 2, 3], greedy(2), cold, priority="batch")
+    assert first_tokens_in_first_step(batch, [request]) == set()
+    assert batch.adapters.read_waits == 0
+    batch.close()
+
+
+def test_a_slow_store_is_never_waited_for(llama: TinySetup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once reads take longer than the bound, a cold adapter's read overlaps the steps again: the running
+    requests do not wait for it, and its request starts once it is in."""
+    sql, chef = llama.refs["demo-sql"], llama.refs["demo-chef"]
+    engine = make_engine(llama, adapter_read_wait_s=0.05)
+    gates = {sql: threading.Event(), chef: threading.Event()}  # each read stays in flight until its gate
+    path = engine.adapters.store.path
+
+    def slow_path(ref: AdapterRef) -> Path:
+        gates[ref].wait(WAIT)
+        return path(ref)
+
+    monkeypatch.setattr(engine.adapters.store, "path", slow_path)
+    assert first_tokens_in_first_step(engine, [EngineRequest("first", [1, 2], greedy(2), sql)]) == set()
+    assert engine.adapters.read_waits == 1  # no read was timed yet: the first one is waited for, in vain
+    time.sleep(0.1)
+    gates[sql].set()
+    drain(engine)
+    assert engine.adapters.cpu.recent_load_s > 0.05
+    started = first_tokens_in_first_step(engine, [EngineRequest("second", [1, 2], greedy(2), chef)])
+    assert started == set() and engine.adapters.read_waits == 1  # this read is not waited for
+    gates[chef].set()
+    assert drain(engine)["second"][-1].finish_reason is FinishReason.LENGTH
     engine.close()

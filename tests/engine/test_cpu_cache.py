@@ -383,6 +383,28 @@ def test_load_counters(make_cache: MakeCache, loader: FakeLoader, monkeypatch: p
     assert (cache.loads, cache.load_seconds) == (2, 0.75)  # counts completed loads only
 
 
+def test_loaded_at_is_when_the_last_load_finished_on_the_cache_clock(
+    make_cache: MakeCache, loader: FakeLoader, clock: FakeClock
+) -> None:
+    def advance(ref: AdapterRef) -> None:
+        clock.now += 0.5
+
+    loader.on_call = advance
+    cache = make_cache(capacity=1)
+    start = clock.now
+    load(cache, A)
+    assert cache.loaded_at == {A: start + 0.5}
+    load(cache, B)  # evicts A, whose time stays: it answers when A last arrived
+    load(cache, A)
+    assert cache.loaded_at == {A: start + 1.5, B: start + 1.0}
+    loader.errors[C] = ValueError("bad")
+    with pytest.raises(ValueError, match="bad"):
+        pending(cache, C).result(timeout=WAIT)
+    assert C not in cache.loaded_at  # a failed load brought nothing
+    cache.remove(A.adapter_id)
+    assert A not in cache.loaded_at
+
+
 def test_adapters_queued_requests_want_are_evicted_last(make_cache: MakeCache) -> None:
     cache = make_cache(capacity=2)
     load(cache, A)

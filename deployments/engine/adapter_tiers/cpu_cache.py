@@ -55,6 +55,8 @@ class CpuAdapterCache:
         self.load_seconds = 0.0
         self.load_failures: Counter[str] = Counter()  # ref -> failed loads
         self.load_retries: Counter[str] = Counter()  # ref -> loads started again after a failure
+        self.loaded_at: dict[AdapterRef, float] = {}  # ref -> clock time its last load finished
+        self.recent_load_s = 0.0  # a moving average of successful loads' durations (0 before the first)
 
     def get(self, ref: AdapterRef) -> AdapterWeights | None:
         """Weights if resident (marks them recently used), else None. Raises the error of a failed load
@@ -125,6 +127,8 @@ class CpuAdapterCache:
                 del self._ready[ref]
             for ref in [r for r in self._failed if r.adapter_id == adapter_id]:
                 del self._failed[ref]
+            for ref in [r for r in self.loaded_at if r.adapter_id == adapter_id]:
+                del self.loaded_at[ref]
             self._pinned = {r for r in self._pinned if r.adapter_id != adapter_id}
             self._cancelled.update(r for r in self._loading if r.adapter_id == adapter_id)
 
@@ -165,8 +169,11 @@ class CpuAdapterCache:
         with self._lock:
             self._loading.pop(ref, None)
             self._failed.pop(ref, None)
+            took = time.perf_counter() - start
             self.loads += 1
-            self.load_seconds += time.perf_counter() - start
+            self.load_seconds += took
+            self.recent_load_s = took if self.loads == 1 else 0.8 * self.recent_load_s + 0.2 * took
+            self.loaded_at[ref] = self._clock()
             if ref in self._cancelled:  # the adapter was removed while it loaded
                 self._cancelled.discard(ref)
                 return weights

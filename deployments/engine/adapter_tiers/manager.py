@@ -24,7 +24,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -62,6 +62,7 @@ class AdapterManager:
         retry_s: float = 1.0,
         retry_max_s: float = 30.0,
         min_residency_s: float = 0.0,
+        read_wait_s: float = 0.0,
     ) -> None:
         self.store = store
         self._modules = lora_modules
@@ -69,6 +70,7 @@ class AdapterManager:
         self.max_rank = max_rank
         self.page_rank = page_rank or max_rank  # rank units per page of device adapter memory
         self.min_residency_s = min_residency_s
+        self.read_wait_s = read_wait_s
         self._dtype = dtype
         self._device = device
         self.specs = AdapterSpecs(self._read_spec)
@@ -84,6 +86,8 @@ class AdapterManager:
         self._cold: set[AdapterRef] = set()  # queued adapters with no slot yet
         self._lookahead: frozenset[AdapterRef] | None = None  # what the CPU tier should hold next (plan)
         self._interactive: frozenset[AdapterRef] = frozenset()  # adapters interactive work uses (plan)
+        self._fresh: dict[AdapterRef, Future[AdapterWeights]] = {}  # reads started since the last wait
+        self.read_waits = 0  # reads waited for (wait_for_reads)
 
     def check(self, ref: AdapterRef) -> AdapterSpec:
         """Raise a named error if `ref` cannot be served here (missing, unreadable, rank too large,
@@ -393,10 +397,28 @@ class AdapterManager:
         self.specs.close()
 
     def _prefetch(self, ref: AdapterRef) -> Future[AdapterWeights] | None:
+        starts = self.cpu.needs_load(ref)
         future = self.cpu.prefetch(ref)
         if future is not None:
             future.add_done_callback(lambda _: self.on_loaded())
+            if starts:
+                self._fresh[ref] = future
         return future
+
+    def wait_for_reads(self, refs: list[AdapterRef]) -> None:
+        """Before admission: wait for the reads started since the last call for `refs` (the adapters about
+        to take a slot) that interactive work wants, within `read_wait_s` in all, when this store's recent
+        reads took no longer than that. A read from a local disk is often shorter than a step, so its request
+        starts in this step rather than the next one (a cold adapter's TTFT is then one step plus the read,
+        not two), while the running requests wait that read once. Each read is waited for at most once, and a
+        slower store (an object store) not at all: it stalls only the requests that need it."""
+        fresh, self._fresh = self._fresh, {}
+        if self.read_wait_s <= 0 or self.cpu.recent_load_s > self.read_wait_s:
+            return
+        pending = [fresh[r] for r in refs if r in fresh and r in self._interactive and not fresh[r].done()]
+        if pending:
+            self.read_waits += len(pending)
+            wait(pending, timeout=self.read_wait_s)
 
     def _load(self, ref: AdapterRef) -> AdapterWeights:
         spec = self.check(ref)
