@@ -39,6 +39,12 @@ ADAPTER_DISK_LOADS = Counter(
     "Adapter reads from the store, per adapter version.",
     (*TAGS, "adapter"),
 )
+ADAPTER_READ_WAITS = Counter(
+    "loraplex_engine_adapter_read_waits",
+    "Store reads of cold adapters that admission waited for, so their requests started a step sooner "
+    "(adapter_read_wait_s).",
+    TAGS,
+)
 ADAPTER_LOAD_FAILURES = Counter(
     "loraplex_engine_adapter_load_failures",
     "Failed loads of an adapter version into CPU memory (store down, files missing or corrupt).",
@@ -152,6 +158,7 @@ class EngineMetrics:
         ADAPTER_EVICTIONS.inc(tags, stats.adapter_evictions - (last.adapter_evictions if last else 0))
         ADAPTER_REQUESTS.inc(tags, stats.adapter_requests - (last.adapter_requests if last else 0))
         ADAPTER_HITS.inc(tags, stats.adapter_arrival_hits - (last.adapter_arrival_hits if last else 0))
+        ADAPTER_READ_WAITS.inc(tags, stats.adapter_read_waits - (last.adapter_read_waits if last else 0))
         PREEMPTIONS.inc(tags, stats.preemptions - (last.preemptions if last else 0))
         ABORTS.inc(tags, stats.aborts - (last.aborts if last else 0))
         GENERATED_TOKENS.inc(tags, stats.generated_tokens - (last.generated_tokens if last else 0))

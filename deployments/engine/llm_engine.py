@@ -248,6 +248,7 @@ class LLMEngine:
             generated_tokens=self.generated_tokens,
             prefill_tokens=self.counters.prefill_tokens,
             adapter_disk_loads=dict(self.adapters.disk_loads),
+            adapter_read_waits=self.adapters.read_waits,
             grammar_refusals=self.grammars.refusals(),
             adapter_load_failures=dict(self.adapters.cpu.load_failures),
             adapter_load_retries=dict(self.adapters.cpu.load_retries),

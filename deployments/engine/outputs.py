@@ -93,6 +93,7 @@ class EngineStats:
     generated_tokens: int = 0  # output tokens sampled since start
     prefill_tokens: int = 0  # prompt tokens run through the model since start (prefix-cache hits are not)
     adapter_disk_loads: dict[str, int] = field(default_factory=dict)  # ref -> reads from the store
+    adapter_read_waits: int = 0  # store reads the admission pass waited for (adapter_read_wait_s)
     # Structured-output requests refused since start, by reason: "schema" (it cannot be enforced),
     # "timeout" (its compile passed the bound, or did so recently) or "busy" (no grammar thread in time).
     grammar_refusals: dict[str, int] = field(default_factory=dict)

@@ -201,6 +201,7 @@ def test_engine_gauges_and_counters_follow_the_engine_stats(served: Served) -> N
     assert MEMORY.value("loraplex_engine_device_adapters", **tags) == len(stats.device_adapters)
     assert MEMORY.value("loraplex_engine_adapter_loads", **tags) == stats.adapter_loads
     assert MEMORY.value("loraplex_engine_adapter_requests", **tags) == stats.adapter_requests
+    assert MEMORY.value("loraplex_engine_adapter_read_waits", **tags) == stats.adapter_read_waits
     # Counters move by increments: a second refresh with nothing new adds nothing.
     metrics.export_once()
     assert MEMORY.value("loraplex_engine_adapter_loads", **tags) == stats.adapter_loads

@@ -216,9 +216,10 @@ def test_long_outputs_cannot_hold_every_row_past_the_fair_wait_bound(llama: Tiny
     # past it the newest of flood's sequences is preempted for it (once: quiet is then served, and the
     # flood sequence waiting past the bound does not take the row straight back, even where every step
     # is slower than the bound, as 1e-9 makes it; CI saw 3 at 0.05 s); with 0, quiet waits for a flood
-    # output to end.
+    # output to end. The outputs are long enough that 0.05 s stays well under their remaining steps on a
+    # fast CPU (a tiny-model step there is under a millisecond: CI saw 62 steps to quiet at 0.05 s).
     engine = make_engine(llama, max_num_seqs=2, num_kv_blocks=256, fair_wait_bound_s=bound)
-    greedy = SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.0)  # resumed == alone
+    greedy = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)  # resumed == alone
     floods = [replace(_request(f"flood-{i}", "flood"), params=greedy) for i in range(2)]
     reference = make_engine(llama, max_num_seqs=2, num_kv_blocks=256)
     for request in floods:
@@ -230,7 +231,7 @@ def test_long_outputs_cannot_hold_every_row_past_the_fair_wait_bound(llama: Tiny
     outputs: dict[str, list[Any]] = {}
     steps_to_quiet = 0
     while engine.has_unfinished():
-        if engine.generated_tokens == 16:  # both flood outputs decoding, ~110 tokens to go
+        if engine.generated_tokens == 16:  # both flood outputs decoding, ~390 tokens to go
             engine.add_request(_request("quiet-0", "quiet", max_tokens=4))
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
@@ -240,9 +241,9 @@ def test_long_outputs_cannot_hold_every_row_past_the_fair_wait_bound(llama: Tiny
     engine.close()
     if bound:
         assert fair == 1  # one row taken, then quiet was served: no churn
-        assert steps_to_quiet < 60  # not the ~110 steps a flood output still had to go
+        assert steps_to_quiet < 200  # not the ~390 steps a flood output still had to go
     else:
-        assert fair == 0 and steps_to_quiet >= 100
+        assert fair == 0 and steps_to_quiet >= 380
     # The preempted output resumed where it stood: every flood output is the one it is alone.
     for request in floods:
         assert _tokens(outputs[request.request_id]) == _tokens(alone[request.request_id])
