@@ -346,9 +346,7 @@ class Scheduler:
                 remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
         self.adapters.plan(queued, remaining, order, self._interactive_refs())
         cold = [ref for ref in order if not slots.holds(ref)]  # a draining one waits for its slot to free
-        turn = cold[: max(1, self.adapters.claimable_count(cold))]
-        self.adapters.wait_for_reads(turn)
-        return turn
+        return cold[: max(1, self.adapters.claimable_count(cold))]
 
     def _interactive_refs(self) -> frozenset[AdapterRef]:
         """The adapters interactive sequences run or wait for, or did within batch_interactive_window_s: the
@@ -438,6 +436,7 @@ class Scheduler:
         if self.waiting and len(self.running) >= self.max_num_seqs:
             self._make_row(out)  # at most one a step: bounds the churn
         turn = self._plan_adapters() if self.waiting else []
+        self.adapters.wait_for_reads(turn)  # a quick read just started for the turn: its request goes now
         overdue_served = False  # at most one slot taken by force per step: bounds the churn
         batch_slot_taken = False  # and at most one from the batch class
         for seq in self._candidates():
