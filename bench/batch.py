@@ -19,8 +19,8 @@ With `--ttft`: an interactive streaming load (`--ttft-users` users, each sending
 requests one after another, cold adapters among them) runs alone and beside a running batch, in turns;
 its TTFT p99 and inter-token p99 beside/alone (goal: <= 1.2) and the batch lines done meanwhile. With
 `--batch-policies none:0,0.1:2` (in process), one "beside" peer per setting of the engine's
-`batch_step_slack:batch_interactive_window_s`, set between runs, all interleaved round by round with the
-"alone" peer.
+`batch_step_slack:batch_interactive_window_s` (a third part `:tokens`: its step-cost fit by tokens alone),
+set between runs, all interleaved round by round with the "alone" peer.
 Run:  python -m bench.batch [--requests 1000 --adapters 8 --prefixes 4] [--ttft [--batch-policies ...]]
       [--serve] [--tiny]
 The last line is one JSON object.
@@ -187,17 +187,20 @@ class Policy:
 
     slack: float | None  # batch_step_slack
     window_s: float  # batch_interactive_window_s
+    rows_apart: bool = True  # the step-cost fit reads sampled rows apart from tokens (False: tokens alone)
 
     @property
     def label(self) -> str:
         slack = "none" if self.slack is None else f"{self.slack:g}"
-        return f"slack={slack},window={self.window_s:g}"
+        fit = "" if self.rows_apart else ",fit=tokens"
+        return f"slack={slack},window={self.window_s:g}{fit}"
 
     @staticmethod
     def parse(text: str) -> "Policy":
-        slack, _, window = text.partition(":")
+        slack, window, fit, *_ = [*text.split(":"), "", ""]
         default_window = EngineConfig.model_fields["batch_interactive_window_s"].default
-        return Policy(None if slack.strip() == "none" else float(slack), float(window or default_window))
+        slack_s = None if slack.strip() == "none" else float(slack)
+        return Policy(slack_s, float(window or default_window), fit.strip() != "tokens")
 
     @staticmethod
     def configured() -> "Policy":
@@ -210,6 +213,7 @@ def _policy_setter(engine: AsyncEngine) -> Callable[[Policy], None]:
         def change(llm: Any) -> None:
             llm.scheduler.batch_step_slack = policy.slack
             llm.scheduler.batch_interactive_window_s = policy.window_s
+            llm.scheduler.step_cost.rows_apart = policy.rows_apart
 
         engine.run_on_loop(change).result(timeout=60)
 
@@ -478,9 +482,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--batch-policies", type=_policies, default=None,
-        help="comma-separated SLACK:WINDOW settings of batch_step_slack ('none': the count alone) and "
-        "batch_interactive_window_s, one 'beside' peer each, interleaved (in process); default: the "
-        "engine's own",
+        help="comma-separated SLACK:WINDOW[:tokens] settings of batch_step_slack ('none': the count "
+        "alone) and batch_interactive_window_s (':tokens': the step-cost fit by tokens alone, without its "
+        "sampled rows), one 'beside' peer each, interleaved (in process); default: the engine's own",
     )  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-blocks", type=int, default=2048)

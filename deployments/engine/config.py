@@ -197,10 +197,11 @@ class EngineConfig(BaseModel):
         ge=0,
         description=(
             "Beside interactive work, the batch class's tokens in a step are also bounded by time: at most "
-            "what keeps the step within 1 + this of the time of its interactive tokens alone, by the "
-            "replica's own fit of its step time against tokens (a CPU, where each token costs nearly in "
-            "proportion, gives little; a GPU's memory-bound decode gives up to batch_step_tokens); at least "
-            "one token a step, so a batch always progresses. null: batch_step_tokens alone."
+            "what keeps the step within 1 + this of the time of its interactive work alone, by the "
+            "replica's own fit of its step time against tokens and sampled rows (a CPU, where a decode row "
+            "costs a large part of a step, gives about one row; a GPU's memory-bound decode gives up to "
+            "batch_step_tokens); at least one token a step, so a batch always progresses. null: "
+            "batch_step_tokens alone."
         ),
     )
     batch_interactive_window_s: float = Field(

@@ -140,6 +140,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.adapters.load_pinned()
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.counters.last_step_tokens = plan.num_tokens
         outputs: list[RequestOutput] = []
@@ -163,7 +164,11 @@ class LLMEngine:
             return outputs + self.outputs.fail(plan.scheduled, RequestFailed("the engine step failed"))
         self._commit(plan.scheduled, sampling, tokens)
         outputs += self.outputs.step_outputs(sampling, tokens, logprobs, prompt_only)
-        return outputs + self.outputs.stop_spent(plan.scheduled)  # requests that reached their GPU bound
+        outputs += self.outputs.stop_spent(plan.scheduled)  # requests that reached their GPU bound
+        # The whole step, plan to outputs, is what a neighbour's next token waits for: the batch class's
+        # share of a step is bounded by this fit (Scheduler._batch_allowance).
+        self.scheduler.step_cost.observe(plan.num_tokens, len(sampling), time.perf_counter() - started)
+        return outputs
 
     def _run(
         self, scheduled: list[ScheduledSequence], sampling: list[ScheduledSequence]
@@ -211,7 +216,6 @@ class LLMEngine:
             m.step_host_time = 0.0
             if seq.num_computed < len(seq.prompt_ids):  # num_computed has not moved yet
                 prefill += min(seq.num_computed + s.num_tokens, len(seq.prompt_ids)) - seq.num_computed
-        self.scheduler.step_cost.observe(total, elapsed)
         self.counters.prefill_tokens += prefill
         self.counters.busy_seconds += elapsed
         self.counters.steps += 1

@@ -107,6 +107,8 @@ class Scheduler:
         self._interactive_seen = float("-inf")
         self._interactive_adapters: dict[AdapterRef, float] = {}  # adapter -> last seen in interactive work
         self._batch_budget = max_num_batched_tokens
+        self._batch_seconds: float | None = None  # and the time it may still add (None: unbounded)
+        self._batch_scheduled = False  # a batch-class token is in this step (the floor of one is met)
         self._batch_waiting = 0  # waiting sequences of the batch class (kept in step with `waiting`)
         self.waiting: deque[Sequence] = deque()  # arrival order, preempted sequences in front
         # The same sequences per tenant, in the same order (kept in step with `waiting`; no empty deques).
@@ -229,9 +231,10 @@ class Scheduler:
         if beside_interactive:
             self._interactive_seen = now
         recent = now - self._interactive_seen < self.batch_interactive_window_s
-        self._batch_budget = budget
+        self._batch_budget, self._batch_seconds, self._batch_scheduled = budget, None, False
         if (beside_interactive or recent) and self.batch_step_tokens is not None:
-            self._batch_budget = self._batch_share(budget, decodes, prefills)
+            self._batch_budget = self.batch_step_tokens
+            self._batch_seconds = self._batch_allowance(budget, decodes, prefills)
         if interactive_waits and any(s.batch for s in prefills):
             later = [s for s in prefills if s.batch]
             prefills = [s for s in prefills if not s.batch]
@@ -243,23 +246,25 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.seq.slot if s.seq.slot >= 0 else self._base_order)
         return out
 
-    def _batch_share(self, budget: int, decodes: list[Sequence], prefills: list[Sequence]) -> int:
-        """The batch class's tokens in a step beside interactive work (or soon after it): at most
-        `batch_step_tokens`, and at most what keeps the step within `1 + batch_step_slack` of the time of the
-        interactive tokens it may hold (running and waiting, within the step's budget; none soon after); at
-        least one, so a batch always progresses."""
-        assert self.batch_step_tokens is not None
+    def _batch_allowance(
+        self, budget: int, decodes: list[Sequence], prefills: list[Sequence]
+    ) -> float | None:
+        """The time the batch class may add to a step beside interactive work (or soon after it): what keeps
+        the step within `1 + batch_step_slack` of the time of the interactive tokens and sampled rows it may
+        hold (running and waiting, within the step's budget; none soon after), by the replica's fit of its
+        steps; None (the token cap alone) without a slack or before the fit is known."""
         if self.batch_step_slack is None:
-            return self.batch_step_tokens
-        interactive = sum(1 for s in decodes if not s.batch)
-        interactive += sum(min(s.num_uncomputed, budget) for s in prefills if not s.batch)
-        for seq in self.waiting:
-            if interactive >= budget:
-                break
+            return None
+        tokens = rows = 0
+        for seq in decodes:
             if not seq.batch:
-                interactive += seq.num_uncomputed
-        spare = self.step_cost.spare(min(interactive, budget), self.batch_step_slack)
-        return self.batch_step_tokens if spare is None else max(1, min(self.batch_step_tokens, spare))
+                tokens, rows = tokens + 1, rows + 1
+        for seq in [s for s in prefills if not s.batch] + [s for s in self.waiting if not s.batch]:
+            if tokens >= budget:
+                break
+            n = min(seq.num_uncomputed, budget - tokens)
+            tokens, rows = tokens + n, rows + (n == seq.num_uncomputed)
+        return self.step_cost.allowance(tokens, rows, self.batch_step_slack)
 
     def _continue(self, seq: Sequence, budget: int, rows: int, out: SchedulerOutput) -> tuple[int, int]:
         """Schedule a running sequence's next tokens (within the budget and rows left); both as left after."""
@@ -274,18 +279,43 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, rows: int) -> int:
         """Tokens of `seq` to compute now: within the step's budget, for a batch-class sequence within that
-        class's share of the step left (`batch_step_tokens`), and for a prompt whose logprobs it gathers,
-        within the logits rows left (each of its positions takes one)."""
+        class's share of the step left (`batch_step_tokens`, and the time `_batch_allowance` left), and for
+        a prompt whose logprobs it gathers, within the logits rows left (each of its positions takes one)."""
         n = min(seq.num_uncomputed, budget)
         if seq.batch:
-            n = min(n, self._batch_budget)
+            n = self._batch_fit(seq, min(n, self._batch_budget))
         return min(n, rows) if seq.collects_prompt_logprobs else n
+
+    def _batch_fit(self, seq: Sequence, n: int) -> int:
+        """At most `n` of a batch-class sequence's tokens, within the time its class may still add to this
+        step: a chunk that would end the prompt also costs its sampled row, so it stops a token short when
+        only the tokens fit. The class's first token of a step always goes: a batch always progresses."""
+        fitted = self.step_cost.fit() if self._batch_seconds is not None and n > 0 else None
+        if fitted is None or self._batch_seconds is None:
+            return n
+        left = self._batch_seconds
+        if n == seq.num_uncomputed and fitted.added(n, 1) <= left:
+            fits = n
+        else:
+            fits = min(n, int(left / fitted.per_token)) if fitted.per_token > 0 else n
+            if fits == seq.num_uncomputed:
+                fits -= 1  # the tokens fit, not the row they end in
+        return max(fits, 0 if self._batch_scheduled else 1)
+
+    def _batch_spent(self) -> bool:
+        """The batch class's share of this step is taken: its tokens, or (past its floor) its time."""
+        out_of_time = self._batch_seconds is not None and self._batch_seconds <= 0 and self._batch_scheduled
+        return self._batch_budget <= 0 or out_of_time
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Put `n` of `seq`'s tokens in this step, out of the batch class's share when it is a batch's."""
         out.scheduled.append(ScheduledSequence(seq, n))
         if seq.batch:
             self._batch_budget -= n
+            self._batch_scheduled = True
+            fitted = self.step_cost.fit() if self._batch_seconds is not None else None
+            if fitted is not None and self._batch_seconds is not None:
+                self._batch_seconds -= fitted.added(n, n == seq.num_uncomputed)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take a sequence out of the scheduler for good and free what it holds."""
@@ -446,8 +476,8 @@ class Scheduler:
                 continue  # another choice of the same prompt: its prefill will be the leader's cached blocks
             if seq.collects_prompt_logprobs and rows <= 0:
                 continue  # this step's logits rows for prompt logprobs are taken; others may still go
-            if seq.batch and self._batch_budget <= 0:
-                continue  # the batch class's share of this step is spent (batch_step_tokens)
+            if seq.batch and (self._batch_spent() or self._chunk(seq, budget, rows) == 0):
+                continue  # the batch class's share of this step is spent, or too little is left for it
             if seq.adapter is not None:
                 # Not its adapter's turn for a slot (nor resident): it waits in the rotation. An interactive
                 # one whose adapter's slot drains for the batch class takes it back (AdapterManager.acquire).
@@ -483,6 +513,9 @@ class Scheduler:
             first = seq.metrics.first_scheduled is None
             cached = 0 if seq.collects_prompt_logprobs else self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget, rows)
+            if n == 0:  # its cached prefix left it one sampled row, more than the batch class's time left
+                self._release(seq)
+                continue
             needed = self.blocks.blocks_needed(seq, seq.num_computed + n)
             if needed + self._watermark > self.blocks.num_free_blocks or not self.blocks.allocate(
                 seq, seq.num_computed + n

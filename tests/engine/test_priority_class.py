@@ -11,7 +11,7 @@ import pytest
 
 from deployments.engine.interface import EngineRequest, SamplingParams
 from deployments.engine.llm_engine import LLMEngine
-from deployments.engine.step_cost import StepCost
+from deployments.engine.step_cost import StepCost, StepFit
 from tests.engine.helpers import drain, make_engine, preload
 from tests.model_fixtures import TinySetup
 
@@ -176,16 +176,17 @@ def test_beside_interactive_work_a_step_computes_at_most_batch_step_tokens_of_th
 
 
 class _KnownCost(StepCost):
-    """A step cost as a replica would have fitted it, fixed here: `fixed` s + `per_token` s a token."""
+    """A step cost as a replica would have fitted it, fixed here: `fixed` s + `per_token` s a token +
+    `per_row` s a sampled row."""
 
-    def __init__(self, fixed: float, per_token: float) -> None:
+    def __init__(self, fixed: float, per_token: float, per_row: float = 0.0) -> None:
         super().__init__()
-        self.known = (fixed, per_token)
+        self.known = StepFit(fixed, per_token, per_row)
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
         pass
 
-    def fit(self) -> tuple[float, float] | None:
+    def fit(self) -> StepFit | None:
         return self.known
 
 
@@ -197,10 +198,13 @@ class _KnownCost(StepCost):
         ((0.001, 0.001), 1),
         # A GPU-like decode: the fixed part is 200 tokens' worth, so the count (3 of the 4 rows) binds.
         ((0.002, 0.00001), 3),
+        # A CPU's decode row: a token is cheap, but a sampled row (logits, sampling, output) costs a fifth of
+        # the step; a fit by tokens alone allowed the 3 of the cap here, each stretching the step by 17%.
+        ((0.01, 0.0001, 0.002), 1),
     ],
 )
 def test_beside_interactive_work_the_batch_class_adds_at_most_its_slack_of_the_steps_time(
-    llama: TinySetup, cost: tuple[float, float], most: int
+    llama: TinySetup, cost: tuple[float, ...], most: int
 ) -> None:
     """`batch_step_slack`: beside interactive work the batch class's tokens a step are also bounded by the
     time they add, by the replica's fit of its step time (here given); at least one a step, at most
