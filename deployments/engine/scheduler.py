@@ -374,7 +374,8 @@ class Scheduler:
             if seq.slot >= 0:
                 left = seq.max_tokens - seq.num_output_tokens
                 remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
-        self.adapters.plan(queued, remaining, order, self._interactive_refs())
+        waited_for = frozenset(s.adapter for s in self.waiting if not s.batch and s.adapter is not None)
+        self.adapters.plan(queued, remaining, order, self._interactive_refs(), waited_for)
         cold = [ref for ref in order if not slots.holds(ref)]  # a draining one waits for its slot to free
         return cold[: max(1, self.adapters.claimable_count(cold))]
 

@@ -362,3 +362,69 @@ def test_an_interactive_request_takes_back_its_adapters_slot_from_a_drain_for_th
     engine.close()
     assert outputs["b-b"][-1].finish_reason is not None and outputs["i-a"][-1].finish_reason is not None
     assert len(_tokens(outputs["i-a"])) == 6 and len(_tokens(outputs["b-b"])) == 6
+
+
+def test_an_interactive_request_takes_back_its_adapters_slot_from_a_drain_for_another_interactive_one(
+    llama: TinySetup,
+) -> None:
+    """Three slots: A's and D's used only by batch requests, C's by an interactive one; an interactive
+    request waits for cold B, so A's slot (its users finish first) drains for it. An interactive request
+    on A joins A's slot (the drain stops; the next plan drains D's) instead of waiting for the batch request
+    at the class's capped rate and then for A to be loaded again: the bench's TTFT tail beside a batch
+    (250-400 ms). With no slot only the batch class uses to move to, the drain stays
+    (test_engine_behaviour: a steady stream on a hot adapter does not starve a cold one)."""
+    a, b, c, d = (llama.refs[name] for name in ("demo-sql", "demo-poet", "demo-chef", "demo-pirate"))
+    engine = make_engine(llama, max_loras=3, lora_page_rank=16, adapter_min_residency_s=0)
+    preload(engine, llama)
+    _, step = _stepping(
+        engine,
+        [
+            replace(_request("b-a", "offline", "batch", max_tokens=30), adapter=a),
+            replace(_request("b-d", "offline", "batch", max_tokens=30), adapter=d),
+            replace(_request("i-c", "live", "interactive", max_tokens=30), adapter=c),
+        ],
+    )
+    step()
+    manager = engine.adapters
+    slot_a, slot_c, slot_d = (manager.slots.lookup(ref) for ref in (a, c, d))
+    assert slot_a is not None and slot_c is not None and slot_d is not None
+    manager.plan([b], {slot_a: 5, slot_c: 29, slot_d: 29}, [b], frozenset({b, c}), frozenset({b}))
+    assert manager.slots.draining() == [slot_a]  # the batch-only slot whose users finish first
+    assert manager.acquire(a) == slot_a and manager.slots.draining() == []
+    manager.release(slot_a)
+    manager.plan([b], {slot_a: 5, slot_c: 29, slot_d: 29}, [b], frozenset({a, b, c}), frozenset({a, b}))
+    assert manager.slots.draining() == [slot_d]  # the drain moved
+    drain(engine)
+    engine.close()
+
+
+def _claim_beside_an_idle_young_slot(llama: TinySetup, waited_for: frozenset[str]) -> tuple[bool, bool]:
+    """Two slots: A idle, just loaded (its minimum residency far off) and queued for; C busy. An interactive
+    claim for B: whether it got a slot, and whether A is still resident."""
+    a, b, c = llama.refs["demo-sql"], llama.refs["demo-poet"], llama.refs["demo-chef"]
+    engine = make_engine(llama, max_loras=2, lora_page_rank=16, adapter_min_residency_s=3600)
+    preload(engine, llama)
+    engine.add_request(replace(_request("i-a", "live", "interactive", max_tokens=2), adapter=a))
+    drain(engine)
+    _, step = _stepping(engine, [replace(_request("i-c", "live", "interactive", max_tokens=30), adapter=c)])
+    step()
+    manager = engine.adapters
+    slot_c = manager.slots.lookup(c)
+    assert slot_c is not None and manager.slots.lookup(a) is not None
+    refs = {"A": a, "B": b}
+    manager.plan([a, b], {slot_c: 29}, [b], frozenset({b, c}), frozenset(refs[n] for n in waited_for))
+    slot = manager.acquire(b)
+    kept = manager.slots.holds(a)
+    if slot is not None:
+        manager.release(slot)
+    drain(engine)
+    engine.close()
+    return slot is not None, kept
+
+
+def test_an_interactive_claim_evicts_an_idle_slot_only_batch_lines_queue_for(llama: TinySetup) -> None:
+    """A young slot with requests queued is kept for its minimum residency; beside a batch its queue was
+    often batch lines held back by the class's share of a step, and interactive requests waited for a
+    slot beside free rows. An interactive claim now evicts it unless interactive requests wait for it."""
+    assert _claim_beside_an_idle_young_slot(llama, frozenset({"B"})) == (True, False)
+    assert _claim_beside_an_idle_young_slot(llama, frozenset({"A", "B"})) == (False, True)

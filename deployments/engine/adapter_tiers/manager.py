@@ -86,6 +86,7 @@ class AdapterManager:
         self._cold: set[AdapterRef] = set()  # queued adapters with no slot yet
         self._lookahead: frozenset[AdapterRef] | None = None  # what the CPU tier should hold next (plan)
         self._interactive: frozenset[AdapterRef] = frozenset()  # adapters interactive work uses (plan)
+        self._interactive_queued: frozenset[AdapterRef] | None = None  # those it waits for (plan)
         self._fresh: dict[AdapterRef, Future[AdapterWeights]] = {}  # reads started since the last wait
         self.read_waits = 0  # reads waited for (wait_for_reads)
 
@@ -129,11 +130,15 @@ class AdapterManager:
             self.slots.acquire(slot)
             return slot
         if self.slots.holds(ref):  # resident but draining: wait until it frees, never load it twice
-            if batch or not self._cold.isdisjoint(self._interactive):
-                return None
-            # An interactive request keeps its adapter's slot from a drain for the batch class (every cold
-            # adapter is the batch class's): the drain stops, and the next plan drains another.
             slot = self.slots.resident()[ref]
+            # An interactive request keeps its adapter's slot from a drain for the batch class (every cold
+            # adapter is the batch class's), or one the drain can move from to a slot only the batch class
+            # uses: the drain stops, and the next plan drains another. Waiting instead meant waiting for
+            # the slot's batch users at the class's capped rate and then a reload (250-400 ms beside a
+            # batch). A drain for an interactive adapter with nowhere else to go stays: taking it back at
+            # every arrival would starve the cold adapter.
+            if batch or not (self._cold.isdisjoint(self._interactive) or self._batch_slot_besides(slot)):
+                return None
             if not self.slots.stop_draining(slot):
                 return None  # its adapter was removed: the request fails once its weights are gone
             self.slots.acquire(slot)
@@ -162,15 +167,30 @@ class AdapterManager:
         self.slots.acquire(slot)
         return slot
 
+    def _batch_slot_besides(self, slot: int) -> bool:
+        """Another busy slot, at least as wide, that no interactive work wants: a drain can move there."""
+        pages = self.slots.pages_at(slot)
+        return any(
+            s != slot and not self._for_interactive(s) and self.slots.pages_at(s) >= pages
+            for s in self.slots.drainable()
+        )
+
     def _pages_of(self, weights: AdapterWeights) -> int:
         return pages_for_rank(
             max((w.a.shape[0] for w in weights.modules.values()), default=1), self.page_rank
         )
 
     def _keep_for(self, batch: bool) -> Callable[[int], bool]:
-        """Idle slots a claim may not evict: settling ones, and for the batch class those interactive
-        work wants."""
-        return self._settling if not batch else lambda s: self._settling(s) or self._for_interactive(s)
+        """Idle slots a claim may not evict: for the batch class, settling ones and those interactive work
+        wants; for interactive work, settling ones interactive requests wait for. An idle slot whose queue
+        is batch lines held back by the class's share of a step kept interactive requests waiting for its
+        minimum residency beside free rows (the bench's TTFT tail)."""
+        if batch:
+            return lambda s: self._settling(s) or self._for_interactive(s)
+        wanted = self._interactive_queued
+        if wanted is None:
+            return self._settling
+        return lambda s: self._settling(s) and self.slots.ref_at(s) in wanted
 
     def _settling(self, slot: int) -> bool:
         """Whether the slot's adapter has requests queued and was loaded less than min_residency_s ago: such
@@ -215,13 +235,16 @@ class AdapterManager:
         remaining: dict[int, int],
         rotation: list[AdapterRef] | None = None,
         interactive: frozenset[AdapterRef] = frozenset(),
+        interactive_queued: frozenset[AdapterRef] | None = None,
     ) -> None:
         """Before an admission pass: `queued` are the adapters of waiting requests in queue order (repeats
         included), `remaining` the most tokens any running user of each slot may still generate, `rotation`
         the adapters without a usable slot in the order they get one (None: queue order), `interactive` the
-        adapters interactive sequences run, wait for, or used lately (the others are the batch class's)."""
+        adapters interactive sequences run, wait for, or used lately (the others are the batch class's),
+        `interactive_queued` those interactive sequences wait for (None: any queued request counts)."""
         self._demand = Counter(queued)
         self._interactive = interactive
+        self._interactive_queued = interactive_queued
         self._remaining = remaining
         lookahead: list[AdapterRef] = []  # distinct, rotation then queue order: what the CPU tier holds next
         for ref in dict.fromkeys([*(rotation or []), *self._demand]):  # a Counter keeps first-seen order
