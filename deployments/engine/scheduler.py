@@ -35,7 +35,7 @@ from deployments.engine.errors import RequestFailed
 from deployments.engine.logprobs import prompt_positions
 from deployments.engine.outputs import FinishReason
 from deployments.engine.sequence import ScheduledSequence, Sequence, SequenceStatus
-from deployments.engine.step_cost import StepCost
+from deployments.engine.step_cost import StepCost, StepFit
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,10 @@ class Scheduler:
         self._interactive_seen = float("-inf")
         self._interactive_adapters: dict[AdapterRef, float] = {}  # adapter -> last seen in interactive work
         self._batch_budget = max_num_batched_tokens
-        self._batch_seconds: float | None = None  # and the time it may still add (None: unbounded)
+        # The fit pricing the batch class's time in this step (None: no bound from time; read once a step,
+        # as the fit moves only after it), and the time the class may still add.
+        self._batch_cost: StepFit | None = None
+        self._batch_seconds = 0.0
         self._batch_scheduled = False  # a batch-class token is in this step (the floor of one is met)
         self._batch_waiting = 0  # waiting sequences of the batch class (kept in step with `waiting`)
         self.waiting: deque[Sequence] = deque()  # arrival order, preempted sequences in front
@@ -231,10 +234,12 @@ class Scheduler:
         if beside_interactive:
             self._interactive_seen = now
         recent = now - self._interactive_seen < self.batch_interactive_window_s
-        self._batch_budget, self._batch_seconds, self._batch_scheduled = budget, None, False
+        self._batch_budget, self._batch_cost, self._batch_scheduled = budget, None, False
         if (beside_interactive or recent) and self.batch_step_tokens is not None:
             self._batch_budget = self.batch_step_tokens
-            self._batch_seconds = self._batch_allowance(budget, decodes, prefills)
+            allowance = self._batch_allowance(budget, decodes, prefills)
+            if allowance is not None:
+                self._batch_cost, self._batch_seconds = allowance
         if interactive_waits and any(s.batch for s in prefills):
             later = [s for s in prefills if s.batch]
             prefills = [s for s in prefills if not s.batch]
@@ -248,12 +253,14 @@ class Scheduler:
 
     def _batch_allowance(
         self, budget: int, decodes: list[Sequence], prefills: list[Sequence]
-    ) -> float | None:
-        """The time the batch class may add to a step beside interactive work (or soon after it): what keeps
-        the step within `1 + batch_step_slack` of the time of the interactive tokens and sampled rows it may
-        hold (running and waiting, within the step's budget; none soon after), by the replica's fit of its
-        steps; None (the token cap alone) without a slack or before the fit is known."""
-        if self.batch_step_slack is None:
+    ) -> tuple[StepFit, float] | None:
+        """The replica's fit of its steps and the time the batch class may add to a step beside interactive
+        work (or soon after it): what keeps the step within `1 + batch_step_slack` of the time of the
+        interactive tokens and sampled rows it may hold (running and waiting, within the step's budget; none
+        soon after); None (the token cap alone) without a slack, before the fit is known, or when work
+        costs nothing measurable."""
+        fitted = self.step_cost.fit() if self.batch_step_slack is not None else None
+        if fitted is None or self.batch_step_slack is None:
             return None
         tokens = rows = 0
         for seq in decodes:
@@ -264,7 +271,8 @@ class Scheduler:
                 break
             n = min(seq.num_uncomputed, budget - tokens)
             tokens, rows = tokens + n, rows + (n == seq.num_uncomputed)
-        return self.step_cost.allowance(tokens, rows, self.batch_step_slack)
+        seconds = fitted.allowance(tokens, rows, self.batch_step_slack)
+        return None if seconds is None else (fitted, seconds)
 
     def _continue(self, seq: Sequence, budget: int, rows: int, out: SchedulerOutput) -> tuple[int, int]:
         """Schedule a running sequence's next tokens (within the budget and rows left); both as left after."""
@@ -290,22 +298,17 @@ class Scheduler:
         """At most `n` of a batch-class sequence's tokens, within the time its class may still add to this
         step: a chunk that would end the prompt also costs its sampled row, so it stops a token short when
         only the tokens fit. The class's first token of a step always goes: a batch always progresses."""
-        fitted = self.step_cost.fit() if self._batch_seconds is not None and n > 0 else None
-        if fitted is None or self._batch_seconds is None:
+        cost = self._batch_cost
+        if cost is None or n <= 0:
             return n
         left = self._batch_seconds
-        if n == seq.num_uncomputed and fitted.added(n, 1) <= left:
+        if n == seq.num_uncomputed and cost.added(n, 1) <= left:
             fits = n
         else:
-            fits = min(n, int(left / fitted.per_token)) if fitted.per_token > 0 else n
+            fits = min(n, int(left / cost.per_token)) if cost.per_token > 0 else n
             if fits == seq.num_uncomputed:
                 fits -= 1  # the tokens fit, not the row they end in
         return max(fits, 0 if self._batch_scheduled else 1)
-
-    def _batch_spent(self) -> bool:
-        """The batch class's share of this step is taken: its tokens, or (past its floor) its time."""
-        out_of_time = self._batch_seconds is not None and self._batch_seconds <= 0 and self._batch_scheduled
-        return self._batch_budget <= 0 or out_of_time
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Put `n` of `seq`'s tokens in this step, out of the batch class's share when it is a batch's."""
@@ -313,9 +316,8 @@ class Scheduler:
         if seq.batch:
             self._batch_budget -= n
             self._batch_scheduled = True
-            fitted = self.step_cost.fit() if self._batch_seconds is not None else None
-            if fitted is not None and self._batch_seconds is not None:
-                self._batch_seconds -= fitted.added(n, n == seq.num_uncomputed)
+            if self._batch_cost is not None:
+                self._batch_seconds -= self._batch_cost.added(n, n == seq.num_uncomputed)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take a sequence out of the scheduler for good and free what it holds."""
@@ -477,8 +479,8 @@ class Scheduler:
                 continue  # another choice of the same prompt: its prefill will be the leader's cached blocks
             if seq.collects_prompt_logprobs and rows <= 0:
                 continue  # this step's logits rows for prompt logprobs are taken; others may still go
-            if seq.batch and (self._batch_spent() or self._chunk(seq, budget, rows) == 0):
-                continue  # the batch class's share of this step is spent, or too little is left for it
+            if seq.batch and self._chunk(seq, budget, rows) == 0:
+                continue  # the batch class's share of this step (tokens, or past its floor, time) is spent
             if seq.adapter is not None:
                 # Not its adapter's turn for a slot (nor resident): it waits in the rotation. An interactive
                 # one whose adapter's slot drains for the batch class takes it back (AdapterManager.acquire).

@@ -9,8 +9,8 @@ much as ten prompt tokens of a chunk, and a fit by tokens alone let the batch cl
 interactive steps by 60% where it meant 10%. While the steps seen cannot tell rows from tokens (only
 decodes: every row one token) the fit is by tokens alone, which then carry the rows' cost. On a GPU, where a
 decode step is bound by reading the weights, both are small beside `fixed`, and a batch row beside
-interactive ones is nearly free. `allowance(tokens, rows, slack)` is the time the batch class may add to a
-step of that interactive work: `slack` of the step's own time.
+interactive ones is nearly free. `StepFit.allowance(tokens, rows, slack)` is the time the batch class may
+add to a step of that interactive work: `slack` of the step's own time.
 """
 
 from dataclasses import dataclass
@@ -35,6 +35,13 @@ class StepFit:
 
     def time(self, tokens: int, rows: int) -> float:
         return self.fixed + self.added(tokens, rows)
+
+    def allowance(self, tokens: int, rows: int, slack: float) -> float | None:
+        """Seconds that may join a step of `tokens` (`rows` of them sampled) while its time grows by at
+        most `slack` of itself; None when work costs nothing measurable (no bound from time)."""
+        if self.per_token <= 0.0 and self.per_row <= 0.0:
+            return None
+        return slack * self.time(tokens, rows)
 
 
 @dataclass
@@ -84,11 +91,3 @@ class StepCost:
                 return StepFit(max(0.0, my - per_token * mt - per_row * mr), per_token, per_row)
         per_token = max(0.0, cov_ty / var_t)  # by tokens alone: they carry whatever rows cost
         return StepFit(max(0.0, my - per_token * mt), per_token)
-
-    def allowance(self, tokens: int, rows: int, slack: float) -> float | None:
-        """Seconds that may join a step of `tokens` (`rows` of them sampled) while its time grows by at
-        most `slack` of itself; None while the fit is unknown or work costs nothing measurable."""
-        fitted = self.fit()
-        if fitted is None or (fitted.per_token <= 0.0 and fitted.per_row <= 0.0):
-            return None
-        return slack * fitted.time(tokens, rows)

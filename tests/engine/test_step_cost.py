@@ -24,7 +24,7 @@ def test_the_fit_recovers_a_steps_fixed_part_its_cost_per_token_and_per_sampled_
     assert fitted.per_row == pytest.approx(0.002, rel=0.05)
     # 10% of a step of 4 decodes (4 ms + 0.4 ms + 8 ms): 1.24 ms, under one more decode row (2.1 ms)
     # but twelve tokens of a prompt chunk.
-    allowance = cost.allowance(4, 4, 0.1)
+    allowance = fitted.allowance(4, 4, 0.1)
     assert allowance is not None and allowance == pytest.approx(0.00124, rel=0.1)
     assert fitted.added(1, 1) > allowance > fitted.added(12, 0)
 
@@ -56,12 +56,13 @@ def test_nothing_is_claimed_before_the_steps_can_tell_fixed_from_per_token() -> 
     cost = StepCost()
     for _ in range(MIN_STEPS - 1):
         cost.observe(8, 8, 0.01)
-    assert cost.fit() is None and cost.allowance(8, 8, 0.1) is None  # too few steps
+    assert cost.fit() is None  # too few steps: no fit, so no allowance from time
     for _ in range(100):
         cost.observe(8, 8, 0.01)
     assert cost.fit() is None  # every step the same size: no slope to read
     flat = StepCost()
     for i in range(100):
         flat.observe(1 + i % 30, 1 + i % 7, 0.01)
-    assert flat.fit() == StepFit(pytest.approx(0.01), 0.0, 0.0)  # type: ignore[arg-type]
-    assert flat.allowance(8, 8, 0.1) is None  # work costs nothing: no bound from time
+    flat_fit = flat.fit()
+    assert flat_fit == StepFit(pytest.approx(0.01), 0.0, 0.0)  # type: ignore[arg-type]
+    assert flat_fit is not None and flat_fit.allowance(8, 8, 0.1) is None  # work costs nothing: no bound
