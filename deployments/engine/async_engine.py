@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from adapters.ref import AdapterRef
@@ -194,8 +194,10 @@ class AsyncEngine:
         return run
 
     def stats(self) -> EngineStats:
-        """Load and residency as of the loop's last iteration (a snapshot: safe from any thread)."""
-        return self._stats
+        """Load and residency as of the loop's last iteration (a snapshot: safe from any thread). Grammar
+        refusals are counted live: they happen on callers' threads, before a request reaches the loop, and
+        an idle loop refreshes its snapshot only once a second."""
+        return replace(self._stats, grammar_refusals=self.grammars.refusals())
 
     @property
     def running(self) -> bool:
