@@ -17,7 +17,9 @@ second is per round, summarised by its median (goal: >= 1.0).
 
 With `--ttft`: an interactive streaming load (`--ttft-users` users, each sending `--ttft-requests`
 requests one after another, cold adapters among them) runs alone and beside a running batch, in turns;
-its TTFT p99 and inter-token p99 beside/alone (goal: <= 1.2) and the batch lines done meanwhile. With
+its TTFT p99 and inter-token p99 beside/alone (goal: <= 1.2) and the batch lines done meanwhile; from the
+engine's side, its queue waits (usage rows: p50/p90/max, how many over 100 ms) and, in process, its mean
+whole step (plan to outputs) beside/alone, what the batch class's share of a step costs every stream. With
 `--batch-policies none:0,0.1:2` (in process), one "beside" peer per setting of the engine's
 `batch_step_slack:batch_interactive_window_s` (a third part `:tokens`: its step-cost fit by tokens alone),
 set between runs, all interleaved round by round with the "alone" peer.
@@ -62,11 +64,13 @@ from billing.models import UsageEvent
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.interface import LocalEngineClient
+from deployments.engine.outputs import EngineStats
 from deployments.registry_watcher import RegistryWatcher
 
 MODEL = "bench-base"
 ENDPOINT = "/v1/completions"
 FINAL = ("completed", "failed", "expired", "cancelled")
+LONG_WAIT_MS = 100  # an engine queue wait the TTFT goal cannot absorb (the load's TTFT alone: ~30-60 ms)
 WORDS = [
     "alpha",
     "beta",
@@ -97,6 +101,8 @@ class Platform:
     sessions: Callable[[], Session]  # the platform's database: the engine's own queue and TTFT per request
     # Sets the engine's batch policy between runs (in process only; None: the configured one only).
     set_policy: Callable[["Policy"], None] | None = None
+    # The engine's stats (in process only): its busy seconds and steps while a load runs.
+    stats: Callable[[], EngineStats] | None = None
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -175,7 +181,14 @@ def platform(args: argparse.Namespace, work: Path) -> Iterator[Platform]:
                 for name, path in adapters.items():
                     reply = post_adapter(admin, name, tenant["id"], path, base_model=MODEL)
                     assert reply.status_code == 201, reply.text
-            yield Platform(server.url, key, list(adapters), services.session_factory, _policy_setter(engine))
+            yield Platform(
+                server.url,
+                key,
+                list(adapters),
+                services.session_factory,
+                _policy_setter(engine),
+                engine.stats,
+            )
     finally:
         watcher.stop()
         engine.shutdown()
@@ -331,8 +344,8 @@ async def user_load(
 
 def engine_side(sessions: Callable[[], Session], ids: list[str]) -> dict[str, float]:
     """The engine's own view of these requests, from their usage rows: the time from arrival to first
-    scheduled (queue) and to first token, p50/p90/max in ms. What the client saw beyond it was spent before
-    the engine (the app, its event loop) or after (delivery)."""
+    scheduled (queue) and to first token, p50/p90/max in ms, and how many queued over LONG_WAIT_MS. What the
+    client saw beyond it was spent before the engine (the app, its event loop) or after (delivery)."""
     deadline = time.monotonic() + 30
     while True:  # usage rows are written in the background
         with sessions() as s:
@@ -347,6 +360,7 @@ def engine_side(sessions: Callable[[], Session], ids: list[str]) -> dict[str, fl
     for name, values in (("queue_ms", queue), ("ttft_ms", first)):
         for label, q in (("p50", 0.5), ("p90", 0.9), ("max", 1.0)):
             summary[f"{name}_{label}"] = round(percentile(values, q), 1) if values else 0.0
+    summary[f"queued_over_{LONG_WAIT_MS}ms"] = sum(q > LONG_WAIT_MS for q in queue)
     return summary
 
 
@@ -391,6 +405,20 @@ async def measure(args: argparse.Namespace, p: Platform) -> dict[str, Any]:
     return result
 
 
+async def probed_load(
+    http: httpx.AsyncClient, args: argparse.Namespace, p: Platform, bodies: list[dict[str, Any]]
+) -> tuple[dict[str, float], list[str]]:
+    """user_load, and in process the engine's mean whole step (plan to outputs) meanwhile, in ms: the time
+    each running stream waits between its tokens, which the batch class's share of a step lengthens."""
+    before = p.stats() if p.stats is not None else None
+    seen, sent = await user_load(http, args, bodies)
+    if before is not None and p.stats is not None:
+        after = p.stats()
+        steps = max(1, after.steps - before.steps)
+        seen["step_ms"] = 1000 * (after.step_seconds - before.step_seconds) / steps
+    return seen, sent
+
+
 async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Platform) -> dict[str, Any]:
     """The streaming user load alone and beside a running batch, in turns; the batch is cancelled after.
     With several `--batch-policies` (in process: set on the engine between runs), one "beside" peer per
@@ -408,8 +436,8 @@ async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Plat
         for turn, peer in enumerate(peers[r % len(peers) :] + peers[: r % len(peers)]):
             tail = f" {chr(ord('a') + turn)}"  # a prompt no earlier peer of the round sent
             if peer == "alone":
-                seen, sent = await user_load(
-                    http, args, [{**b, "prompt": b["prompt"] + tail} for b in bodies]
+                seen, sent = await probed_load(
+                    http, args, p, [{**b, "prompt": b["prompt"] + tail} for b in bodies]
                 )
                 alone.append(seen)
                 ids["alone"] += sent
@@ -421,7 +449,9 @@ async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Plat
             batch_id = await start_batch(http, workload(args, p.adapters, 200 + r, f"bb{r}t{turn}-"))
             started = await wait_batch(http, batch_id, lambda s: s["request_counts"]["completed"] > 0)
             before = started["request_counts"]["completed"]  # the runner has lines in the engine
-            seen, sent = await user_load(http, args, [{**b, "prompt": b["prompt"] + tail} for b in bodies])
+            seen, sent = await probed_load(
+                http, args, p, [{**b, "prompt": b["prompt"] + tail} for b in bodies]
+            )
             beside[label].append(seen)
             ids[label] += sent
             state = await batch_state(http, batch_id)
@@ -432,11 +462,13 @@ async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Plat
     for label in labels:
         ratios = {
             key: spread([b[key] / a[key] for a, b in zip(alone, beside[label], strict=True) if a[key]])
-            for key in ("ttft_p99", "itl_p99")
+            for key in ("ttft_p99", "itl_p99", "step_ms")
+            if all(key in run for run in (*alone, *beside[label]))
         }
         by_policy[label] = {
             "ttft_p99_ratio": ratios["ttft_p99"]["median"],
             "itl_p99_ratio": ratios["itl_p99"]["median"],
+            "step_ms_ratio": ratios["step_ms"]["median"] if "step_ms" in ratios else None,
             "ratios": ratios,
             "beside_ttft_p99_s": spread([b["ttft_p99"] for b in beside[label]]),
             "batch_lines_done_meanwhile": progressed[label],
@@ -446,6 +478,7 @@ async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Plat
     return {
         "ttft_p99_ratio": last["ttft_p99_ratio"],
         "itl_p99_ratio": last["itl_p99_ratio"],
+        "step_ms_ratio": last["step_ms_ratio"],
         "ratios": last["ratios"],
         "alone_ttft_p99_s": spread([a["ttft_p99"] for a in alone]),
         "beside_ttft_p99_s": last["beside_ttft_p99_s"],

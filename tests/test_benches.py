@@ -128,6 +128,7 @@ def test_the_bench_runs_in_its_tiny_mode(bench: str, request: pytest.FixtureRequ
     if bench == "batch":  # the engine's own queue time of every streamed request, found by its id
         engine_side = data["beside_batch"]["engine_side"]
         assert all(engine_side[kind]["ttft_ms_max"] > 0 for kind in ("alone", "beside")), engine_side
+        assert data["beside_batch"]["step_ms_ratio"] > 0, data  # in process: the engine's whole steps
 
 
 @pytest.mark.slow
@@ -135,6 +136,7 @@ def test_the_batch_bench_runs_through_serve_in_its_tiny_mode() -> None:
     """bench.batch's Serve mode: the runner in an ingress replica of `serve run`'s app graph."""
     data = _tiny_run("batch", _user_env(), "--serve")
     assert data["mode"] == "serve" and data["beside_batch"]["batch_lines_done_meanwhile"], data
+    assert data["beside_batch"]["step_ms_ratio"] is None, data  # a replica's engine is not in this process
 
 
 def _user_env() -> dict[str, str]:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class EngineCounters:
     busy_seconds: float = 0.0
+    step_seconds: float = 0.0  # whole steps, plan to outputs: what a neighbour's next token waits for
     steps: int = 0
     last_step_tokens: int = 0
     adapter_requests: int = 0

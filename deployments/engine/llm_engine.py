@@ -167,7 +167,9 @@ class LLMEngine:
         outputs += self.outputs.stop_spent(plan.scheduled)  # requests that reached their GPU bound
         # The whole step, plan to outputs, is what a neighbour's next token waits for: the batch class's
         # share of a step is bounded by this fit (Scheduler._batch_allowance).
-        self.scheduler.step_cost.observe(plan.num_tokens, len(sampling), time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.scheduler.step_cost.observe(plan.num_tokens, len(sampling), elapsed)
+        self.counters.step_seconds += elapsed
         return outputs
 
     def _run(
@@ -240,6 +242,7 @@ class LLMEngine:
             device_adapters=[str(r) for r in slots.resident()],
             cpu_adapters=[str(r) for r in self.adapters.cpu.resident()],
             busy_seconds=self.counters.busy_seconds,
+            step_seconds=self.counters.step_seconds,
             wall_seconds=time.monotonic() - self._started,
             steps=self.counters.steps,
             preemptions=self.scheduler.num_preemptions,

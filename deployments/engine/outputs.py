@@ -90,6 +90,7 @@ class EngineStats:
     adapter_requests: int = 0  # requests naming an adapter
     adapter_arrival_hits: int = 0  # ...that found it here already (slot, CPU tier, or loading)
     aborts: int = 0  # requests aborted (the caller left) before they finished
+    step_seconds: float = 0.0  # sum of whole steps that ran a forward, plan to outputs (busy_seconds within)
     generated_tokens: int = 0  # output tokens sampled since start
     prefill_tokens: int = 0  # prompt tokens run through the model since start (prefix-cache hits are not)
     adapter_disk_loads: dict[str, int] = field(default_factory=dict)  # ref -> reads from the store

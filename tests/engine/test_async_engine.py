@@ -59,7 +59,7 @@ async def test_concurrent_requests_over_many_adapters(engine: AsyncEngine, llama
     assert stats.running == 0
     assert stats.waiting == 0
     assert stats.steps > 0
-    assert stats.busy_seconds > 0
+    assert stats.step_seconds > stats.busy_seconds > 0  # a whole step holds its timed forward and sampling
 
 
 LONG = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)  # seconds of work on the tiny model
