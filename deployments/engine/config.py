@@ -199,9 +199,10 @@ class EngineConfig(BaseModel):
             "Beside interactive work, the batch class's tokens in a step are also bounded by time: at most "
             "what keeps the step within 1 + this of the time of its interactive work alone, by the "
             "replica's own fit of its step time against tokens and sampled rows (a CPU, where a decode row "
-            "costs a large part of a step, gives about one row; a GPU's memory-bound decode gives up to "
-            "batch_step_tokens); at least one token a step, so a batch always progresses. null: "
-            "batch_step_tokens alone."
+            "costs a large part of a step, gives a row every few steps; a GPU's memory-bound decode gives up "
+            "to batch_step_tokens). The bound holds on average: a token that costs more than a step's share "
+            "goes when the share is not overdrawn and is repaid by the next steps; at least one goes every "
+            "16 steps, so a batch always progresses. null: batch_step_tokens alone."
         ),
     )
     batch_interactive_window_s: float = Field(

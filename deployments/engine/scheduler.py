@@ -18,7 +18,6 @@ When KV blocks run out, the newest running sequences are preempted (their blocks
 from the prefix cache), and they go back to the front of the queue (and of their tenant's) so nobody starves.
 """
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -49,6 +48,9 @@ Scheduling = Literal["fair", "fifo"]
 PROMPT_TOKEN_SERVICE = 1.0
 CACHED_TOKEN_SERVICE = 0.25
 OUTPUT_TOKEN_SERVICE = 2.0
+# Beside interactive work the batch class gets a token at least this often even when its share of the
+# steps' time is spent (a zero batch_step_slack), so a batch always progresses.
+BATCH_FLOOR_STEPS = 16
 FAIR_MIN_RUN_TOKENS = 8  # tokens a sequence decodes after taking a row before a fair preemption may take it
 
 
@@ -111,7 +113,10 @@ class Scheduler:
         # as the fit moves only after it), and the time the class may still add.
         self._batch_cost: StepFit | None = None
         self._batch_seconds = 0.0
-        self._batch_scheduled = False  # a batch-class token is in this step (the floor of one is met)
+        self._batch_share = 0.0  # this step's own share, without what earlier steps carried
+        self._batch_credit = 0.0  # the share carried to the next step (< 0: owed for a floor's token)
+        self._batch_scheduled = False  # a batch-class token is in this step
+        self._batch_starved = 0  # steps in a row beside interactive work without a batch-class token
         self._batch_waiting = 0  # waiting sequences of the batch class (kept in step with `waiting`)
         self.waiting: deque[Sequence] = deque()  # arrival order, preempted sequences in front
         # The same sequences per tenant, in the same order (kept in step with `waiting`; no empty deques).
@@ -239,7 +244,8 @@ class Scheduler:
             self._batch_budget = self.batch_step_tokens
             allowance = self._batch_allowance(budget, decodes, prefills)
             if allowance is not None:
-                self._batch_cost, self._batch_seconds = allowance
+                self._batch_cost, self._batch_share = allowance
+                self._batch_seconds = self._batch_share + self._batch_credit
         if interactive_waits and any(s.batch for s in prefills):
             later = [s for s in prefills if s.batch]
             prefills = [s for s in prefills if not s.batch]
@@ -248,6 +254,7 @@ class Scheduler:
         budget, rows = self._admit(budget, rows, out)
         for seq in later:
             budget, rows = self._continue(seq, budget, rows, out)
+        self._carry_batch_share()
         out.scheduled.sort(key=lambda s: s.seq.slot if s.seq.slot >= 0 else self._base_order)
         return out
 
@@ -294,10 +301,23 @@ class Scheduler:
             n = self._batch_fit(seq, min(n, self._batch_budget))
         return min(n, rows) if seq.collects_prompt_logprobs else n
 
+    def _carry_batch_share(self) -> None:
+        """Carry what the batch class left of its share to the next step: a token that cost more than the
+        share (a CPU's decode row can cost twice a step's 10%) is owed and repaid by the next steps, so the
+        class adds its slack of the steps' time on average, not a row to every step; unspent time carries
+        up to one step's share (no burst after quiet steps)."""
+        if self._batch_cost is None:
+            self._batch_credit, self._batch_starved = 0.0, 0
+            return
+        self._batch_credit = min(self._batch_seconds, self._batch_share)
+        self._batch_starved = 0 if self._batch_scheduled else self._batch_starved + 1
+
     def _batch_fit(self, seq: Sequence, n: int) -> int:
         """At most `n` of a batch-class sequence's tokens, within the time its class may still add to this
         step: a chunk that would end the prompt also costs its sampled row, so it stops a token short when
-        only the tokens fit. The class's first token of a step always goes: a batch always progresses."""
+        only the tokens fit. While the class's share is not overdrawn, its first token of a step goes even
+        if it costs more (the excess is owed: `_carry_batch_share`); at least every BATCH_FLOOR_STEPS steps
+        one goes regardless: a batch always progresses."""
         cost = self._batch_cost
         if cost is None or n <= 0:
             return n
@@ -308,7 +328,8 @@ class Scheduler:
             fits = min(n, int(left / cost.per_token)) if cost.per_token > 0 else n
             if fits == seq.num_uncomputed:
                 fits -= 1  # the tokens fit, not the row they end in
-        return max(fits, 0 if self._batch_scheduled else 1)
+        floor = not self._batch_scheduled and (left > 0 or self._batch_starved >= BATCH_FLOOR_STEPS)
+        return max(fits, 1 if floor else 0)
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Put `n` of `seq`'s tokens in this step, out of the batch class's share when it is a batch's."""
@@ -377,20 +398,16 @@ class Scheduler:
                 left = seq.max_tokens - seq.num_output_tokens
                 remaining[seq.slot] = max(remaining.get(seq.slot, 0), left)
         waited_for = frozenset(s.adapter for s in self.waiting if not s.batch and s.adapter is not None)
-        self.adapters.plan(queued, remaining, order, self._interactive_refs(), waited_for)
+        wanted = waited_for | {s.adapter for s in self.running if not s.batch and s.adapter is not None}
+        self.adapters.plan(queued, remaining, order, self._interactive_refs(wanted), waited_for, wanted)
         cold = [ref for ref in order if not slots.holds(ref)]  # a draining one waits for its slot to free
         return cold[: max(1, self.adapters.claimable_count(cold))]
 
-    def _interactive_refs(self) -> frozenset[AdapterRef]:
-        """The adapters interactive sequences run or wait for, or did within batch_interactive_window_s: the
-        batch class never takes their slots."""
+    def _interactive_refs(self, current: frozenset[AdapterRef]) -> frozenset[AdapterRef]:
+        """The adapters interactive sequences run or wait for (`current`), or did within
+        batch_interactive_window_s: the batch class never takes their slots."""
         now = time.monotonic()
         seen = self._interactive_adapters
-        current = {
-            seq.adapter
-            for seq in itertools.chain(self.running, self.waiting)
-            if not seq.batch and seq.adapter is not None
-        }
         for ref in [r for r, at in seen.items() if now - at >= self.batch_interactive_window_s]:
             del seen[ref]
         seen.update(dict.fromkeys(current, now))
@@ -580,34 +597,38 @@ class Scheduler:
         return bound > 0 and time.monotonic() - seq.metrics.waiting_since() >= bound
 
     def _take_slot(self, seq: Sequence, out: SchedulerOutput) -> int | None:
-        """Free the least wanted busy slot for an overdue request by preempting its running users (they
-        requeue at the front and resume from the prefix cache), then give it the slot."""
+        """Free the least wanted busy slot for an overdue request by preempting its running users, then give
+        it the slot."""
         assert seq.adapter is not None
         victims = self.adapters.slots_to_free(
             seq.adapter, min_age_s=self.adapter_min_residency_s, batch=seq.batch
         )
         if not victims:
             return None
-        for user in [s for s in self.running if s.slot in victims]:
-            self._preempt(user, out)
-            self.slot_preemptions += 1
+        self.slot_preemptions += self._vacate(victims, out)
         return self.adapters.acquire(seq.adapter)
 
     def _take_batch_slot(self, seq: Sequence, out: SchedulerOutput) -> int | None:
         """An interactive request never waits for a slot that only batch sequences use: they give it up at
-        once (requeued at the front, resuming from the prefix cache), whatever its residency."""
+        once, whatever its residency."""
         assert seq.adapter is not None
         interactive = {s.slot for s in self.running if not s.batch}
         batch_only = {s.slot for s in self.running if s.slot >= 0 and s.slot not in interactive}
-        if not batch_only:
-            return None
-        victims = self.adapters.slots_to_free(seq.adapter, min_age_s=0.0, among=batch_only)
+        victims = (
+            self.adapters.slots_to_free(seq.adapter, min_age_s=0.0, among=batch_only) if batch_only else []
+        )
         if not victims:
             return None
-        for user in [s for s in self.running if s.slot in victims]:
-            self._preempt(user, out)
-            self.batch_preemptions += 1
+        self.batch_preemptions += self._vacate(victims, out)
         return self.adapters.acquire(seq.adapter)
+
+    def _vacate(self, slots: list[int], out: SchedulerOutput) -> int:
+        """Preempt the running users of `slots` (they requeue at the front and resume from the prefix
+        cache); how many there were."""
+        users = [s for s in self.running if s.slot in slots]
+        for user in users:
+            self._preempt(user, out)
+        return len(users)
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:

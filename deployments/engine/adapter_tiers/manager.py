@@ -87,6 +87,7 @@ class AdapterManager:
         self._lookahead: frozenset[AdapterRef] | None = None  # what the CPU tier should hold next (plan)
         self._interactive: frozenset[AdapterRef] = frozenset()  # adapters interactive work uses (plan)
         self._interactive_queued: frozenset[AdapterRef] | None = None  # those it waits for (plan)
+        self._interactive_now: frozenset[AdapterRef] | None = None  # those it runs or waits for (plan)
         self._fresh: dict[AdapterRef, Future[AdapterWeights]] = {}  # reads started since the last wait
         self.read_waits = 0  # reads waited for (wait_for_reads)
 
@@ -168,12 +169,18 @@ class AdapterManager:
         return slot
 
     def _batch_slot_besides(self, slot: int) -> bool:
-        """Another busy slot, at least as wide, that no interactive work wants: a drain can move there."""
+        """Another busy slot, at least as wide, that no interactive request runs on or waits for now: a
+        drain can move there (used by interactive work lately is no reason to keep a current request
+        waiting; the drain's own choice, _drain, takes such slots first too)."""
         pages = self.slots.pages_at(slot)
         return any(
-            s != slot and not self._for_interactive(s) and self.slots.pages_at(s) >= pages
+            s != slot and not self._interactive_uses_now(s) and self.slots.pages_at(s) >= pages
             for s in self.slots.drainable()
         )
+
+    def _interactive_uses_now(self, slot: int) -> bool:
+        now = self._interactive if self._interactive_now is None else self._interactive_now
+        return self.slots.ref_at(slot) in now
 
     def _pages_of(self, weights: AdapterWeights) -> int:
         return pages_for_rank(
@@ -201,6 +208,10 @@ class AdapterManager:
 
     def _for_interactive(self, slot: int) -> bool:
         return self.slots.ref_at(slot) in self._interactive
+
+    def _interactive_rank(self, slot: int) -> tuple[bool, bool]:
+        """A drain's order: slots interactive requests use now last, those they used lately before them."""
+        return self._interactive_uses_now(slot), self._for_interactive(slot)
 
     def claimable(self) -> int:
         """Pages adapters without a slot could be loaded into now: free, or idle and not settling."""
@@ -236,15 +247,18 @@ class AdapterManager:
         rotation: list[AdapterRef] | None = None,
         interactive: frozenset[AdapterRef] = frozenset(),
         interactive_queued: frozenset[AdapterRef] | None = None,
+        interactive_now: frozenset[AdapterRef] | None = None,
     ) -> None:
         """Before an admission pass: `queued` are the adapters of waiting requests in queue order (repeats
         included), `remaining` the most tokens any running user of each slot may still generate, `rotation`
         the adapters without a usable slot in the order they get one (None: queue order), `interactive` the
         adapters interactive sequences run, wait for, or used lately (the others are the batch class's),
-        `interactive_queued` those interactive sequences wait for (None: any queued request counts)."""
+        `interactive_queued` those interactive sequences wait for (None: any queued request counts),
+        `interactive_now` those they run or wait for (None: `interactive`)."""
         self._demand = Counter(queued)
         self._interactive = interactive
         self._interactive_queued = interactive_queued
+        self._interactive_now = interactive_now
         self._remaining = remaining
         lookahead: list[AdapterRef] = []  # distinct, rotation then queue order: what the CPU tier holds next
         for ref in dict.fromkeys([*(rotation or []), *self._demand]):  # a Counter keeps first-seen order
@@ -287,7 +301,7 @@ class AdapterManager:
                 break
             # Slots only the batch class uses first: their users are the ones preempted first anyway.
             self.slots.start_draining(
-                min(unwanted, key=lambda s: (self._for_interactive(s), self._remaining.get(s, 0)))
+                min(unwanted, key=lambda s: (*self._interactive_rank(s), self._remaining.get(s, 0)))
             )
         busy = [s for s in self.slots.drainable() if not self._settling(s) and not spared(s)]
         narrowest = min(map(self.pages_for, self._cold), default=0)
@@ -299,7 +313,7 @@ class AdapterManager:
             self.slots.start_draining(
                 min(
                     busy,
-                    key=lambda s: (self._for_interactive(s), self._demand_of(s), self._remaining.get(s, 0)),
+                    key=lambda s: (*self._interactive_rank(s), self._demand_of(s), self._remaining.get(s, 0)),
                 )
             )
 
