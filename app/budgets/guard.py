@@ -12,7 +12,6 @@ closed. Tenants without credit or limits reserve nothing, but their requests are
 usage row's cost is fixed when it settles.
 """
 
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from decimal import Decimal
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app.background_retry import retry_in_background
 from app.budgets.price_cache import PriceCache
 from app.budgets.protocol import SETTLED_MEMORY_MS, BudgetBackend, BudgetView, Hold, Periods
 from app.errors import BudgetUnavailable, InsufficientQuota
@@ -37,7 +37,6 @@ HOLD_TTL_MS = 120_000  # a hold nobody renews (its request's timer, every third 
 # within the backend's memory of settled ids, so an attempt that landed unseen is never charged twice.
 SETTLE_RETRY_S = SETTLED_MEMORY_MS / 1000 * 0.9
 LOAD_TRIES = 3  # snapshots read before giving up: each retry follows a credit that committed after the read
-_RETRIES: set["asyncio.Future[None]"] = set()  # background settle retries, kept from the GC
 _LIMIT_NAMES = {"credit": "prepaid credit", "day": "daily spend limit", "month": "monthly spend limit"}
 
 
@@ -193,36 +192,17 @@ class BudgetGuard:
             await self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at())
         except Exception as error:
             log.warning("settling %s failed, retrying in the background: %s", hold.request_id, error)
-            retry = asyncio.ensure_future(self._settle_until_done(hold, micros))
-            _RETRIES.add(retry)
-            retry.add_done_callback(_RETRIES.discard)
+            # Past the hold's life too (a lapsed hold is charged all the same): until this lands the live
+            # balance counts the request as neither held nor spent.
+            retry_in_background(
+                lambda: self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at()),
+                what=f"settling {hold.request_id}",
+                within_s=SETTLE_RETRY_S,
+                max_wait_s=10.0,
+                gave_up="the live balance misses its cost until its tenant is reloaded from the usage rows",
+                gave_up_level=logging.ERROR,
+            )
         return from_micros(micros)
-
-    async def _settle_until_done(self, hold: BudgetHold, micros: int) -> None:
-        """Past the hold's life too (a lapsed hold is charged all the same): until this lands the live
-        balance counts the request as neither held nor spent."""
-        wait = 0.5
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + SETTLE_RETRY_S
-        failures = 0
-        while loop.time() < deadline:
-            await asyncio.sleep(min(wait, max(0.0, deadline - loop.time())))
-            try:
-                await self.backend.settle(hold.tenant_id, hold.request_id, micros, periods_at())
-            except Exception as error:
-                failures += 1
-                wait = min(wait * 2, 10.0)
-                if failures % 10 == 0:
-                    log.warning("settling %s still fails (%d tries): %s", hold.request_id, failures, error)
-                continue
-            log.info("settled %s after %d failed tries", hold.request_id, failures + 1)
-            return
-        log.error(
-            "gave up settling %s after %.0f s: the live balance misses its cost until the tenant is "
-            "loaded again from its usage rows",
-            hold.request_id,
-            SETTLE_RETRY_S,
-        )
 
     async def drop(self, tenant_id: str, request_id: str) -> None:
         """Free, at nothing, a hold its request left unsettled for a retry that will not come (a batch line

@@ -27,6 +27,7 @@ from decimal import Decimal
 import anyio
 
 from app.auth.authenticator import Principal
+from app.background_retry import retry_in_background
 from app.budgets.guard import BudgetGuard, BudgetHold
 from app.errors import RateLimited, RequestTooLarge, TooManySequences
 from app.limits import Decision, LimiterBackend, LimiterUnavailable, Limits
@@ -37,7 +38,6 @@ from app.services import Target
 from billing.price_book import Metered
 
 log = logging.getLogger(__name__)
-_RETRIES: set["asyncio.Future[None]"] = set()  # background release retries, kept from the GC
 RENEWALS_PER_TTL = 3  # the timer renews three times per TTL: two renewals may fail before anything lapses
 
 # reason: requests, tokens, concurrency or queued (a limit was reached), queue_full (too many waiters
@@ -308,27 +308,14 @@ async def _release_or_retry(
         await backend.release(tenant, request_id, used_tokens)
     except Exception as error:
         log.warning("releasing %s failed, retrying in the background: %s", request_id, error)
-        retry = asyncio.ensure_future(
-            _release_until_done(backend, tenant, request_id, used_tokens, lease_ttl_ms)
+        # Past the lease's life the limiter has expired it: nothing is left to release.
+        retry_in_background(
+            lambda: backend.release(tenant, request_id, used_tokens),
+            what=f"releasing {request_id}",
+            within_s=lease_ttl_ms / 1000,
+            max_wait_s=5.0,
+            gave_up="its lease has expired by now",
         )
-        _RETRIES.add(retry)
-        retry.add_done_callback(_RETRIES.discard)
-
-
-async def _release_until_done(
-    backend: LimiterBackend, tenant: str, request_id: str, used_tokens: int, lease_ttl_ms: int
-) -> None:
-    """Release is idempotent per request id, so retrying is safe; past the lease's life it has expired."""
-    deadline = time.monotonic() + lease_ttl_ms / 1000
-    wait = 0.5
-    while time.monotonic() < deadline:
-        await asyncio.sleep(wait)
-        try:
-            await backend.release(tenant, request_id, used_tokens)
-            return
-        except Exception:
-            wait = min(wait * 2, 5.0)
-    log.warning("gave up releasing %s: its lease has expired by now", request_id)
 
 
 async def _renew_while_held(ref: "weakref.ref[Admission]", every: float) -> None:

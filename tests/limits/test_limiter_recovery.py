@@ -102,6 +102,6 @@ async def test_redis_connections_killed_by_an_outage_are_replaced(
 
 @pytest.fixture(autouse=True)
 def _reset_admission_retries() -> None:
-    from app.completions import admission
+    from app import background_retry
 
-    admission._RETRIES.clear()
+    background_retry.RUNNING.clear()
