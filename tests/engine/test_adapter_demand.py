@@ -168,7 +168,7 @@ def first_tokens_in_first_step(engine: LLMEngine, requests: list[EngineRequest])
 
 
 def test_a_quick_read_of_a_cold_adapter_is_waited_for_so_its_request_starts_in_the_first_step(
-    llama: TinySetup,
+    llama: TinySetup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A read shorter than the bound is waited for once: an interactive request for an adapter in neither
     tier gets its first token from the step it arrived before, like a request for a resident one."""
@@ -181,9 +181,19 @@ def test_a_quick_read_of_a_cold_adapter_is_waited_for_so_its_request_starts_in_t
     engine.close()
 
     batch = make_engine(llama, adapter_read_wait_s=WAIT)  # the batch class never makes others wait
+    gate = threading.Event()  # the read stays in flight until the step is over: no race with a quick read
+    path = batch.adapters.store.path
+
+    def gated_path(ref: AdapterRef) -> Path:
+        gate.wait(WAIT)
+        return path(ref)
+
+    monkeypatch.setattr(batch.adapters.store, "path", gated_path)
     request = EngineRequest("line", [1, 2, 3], greedy(2), cold, priority="batch")
     assert first_tokens_in_first_step(batch, [request]) == set()
-    assert batch.adapters.read_waits == 0
+    assert batch.adapters.read_waits == 0 and cold in batch.adapters.cpu.loading()  # stepped on without it
+    gate.set()
+    assert drain(batch)["line"][-1].finish_reason is FinishReason.LENGTH
     batch.close()
 
 
