@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from adapters.ref import AdapterRef
@@ -34,7 +34,7 @@ from deployments.engine.errors import (
 from deployments.engine.grammar.grammars import Grammars
 from deployments.engine.llm_engine import LLMEngine
 from deployments.engine.model.model_loader import LoadedModel
-from deployments.engine.outputs import EngineStats, RequestOutput
+from deployments.engine.outputs import EngineStats, RequestOutput, joined
 from deployments.engine.request import EngineRequest
 from deployments.engine.sequence import Sequence, attach_grammar
 
@@ -46,6 +46,25 @@ T = TypeVar("T")
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    whole: bool = False  # EngineRequest.whole: each choice's output once it ends
+    held: dict[int, RequestOutput] = field(default_factory=dict)  # by choice, the loop thread's alone
+
+    def ready(self, out: RequestOutput) -> list[RequestOutput]:
+        """What to deliver of `out` now: all of it, or for a `whole` request each choice once it ends
+        (the request's end brings whatever it still holds, e.g. of choices an abort cut short)."""
+        if not self.whole:
+            return [out]
+        earlier = self.held.pop(out.index, None)
+        if earlier is not None:
+            out = joined(earlier, out)
+        if out.finished:
+            rest = list(self.held.values())
+            self.held.clear()
+            return [*rest, out]
+        if out.finish_reason is None:
+            self.held[out.index] = out
+            return []
+        return [out]
 
 
 class AsyncEngine:
@@ -108,7 +127,7 @@ class AsyncEngine:
             await self._check_adapter(request.adapter)
         if request_id in self._streams:
             raise DuplicateRequestId(request_id)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), whole=request.whole)
         self._streams[request_id] = stream
         self._submit(lambda: self._add(seqs, announce=request.announce))
         finished = False
@@ -296,7 +315,9 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream, out))
+            ready = stream.ready(out)
+            if ready:
+                by_loop.setdefault(stream.loop, []).extend((stream, r) for r in ready)
         for loop, items in by_loop.items():  # one thread hop per event loop per step
             loop.call_soon_threadsafe(_put_all, items)
 

@@ -1,7 +1,7 @@
 """What the engine hands back per request and step: text deltas, and usage on the final output."""
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deployments.engine.errors import RequestError
 
@@ -45,7 +45,8 @@ class TokenLogprob:
 class RequestOutput:
     """One step's news for one choice of a request. A request with several choices (n, or a list of
     prompts) streams them interleaved: `index` names the choice, `finish_reason` marks a choice's end and
-    `finished` the end of the whole request (its last output); `usage` always covers every choice."""
+    `finished` the end of the whole request (its last output); `usage` always covers every choice. A
+    `whole` request (EngineRequest.whole) gets one output a choice, when that choice ends."""
 
     request_id: str
     text: str  # new text since the previous output
@@ -68,6 +69,23 @@ class RequestOutput:
     # On a choice's last output (finish_reason LENGTH): the request reached its GPU-time bound
     # (EngineRequest.max_gpu_ms), not its max_tokens.
     gpu_limited: bool = False
+
+
+def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two successive outputs of one choice as one: the text, tokens and logprobs of both, the prompt's
+    logprobs from the first that has them, and the rest (finish, usage, flags) from the later."""
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = [*(earlier.logprobs or ()), *(later.logprobs or ())]
+    prompt = earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs
+    return replace(
+        later,
+        text=earlier.text + later.text,
+        token_ids=[*earlier.token_ids, *later.token_ids],
+        logprobs=logprobs,
+        prompt_logprobs=prompt,
+        usage=later.usage if later.usage is not None else earlier.usage,
+    )
 
 
 @dataclass(slots=True, frozen=True)

@@ -36,6 +36,10 @@ class EngineRequest:
     # Its class: "batch" sequences take only rows no "interactive" sequence wants (admitted after every
     # waiting interactive one, preempted first for one, and first when KV blocks run out).
     priority: Priority = "interactive"
+    # True: the caller answers only at the end (a non-streamed request, a Batch API line), so the engine
+    # sends the announcement and each choice's whole output once that choice ends, not one output a step:
+    # no thread hop, no wake of the caller (and no message across Ray) for each of its tokens.
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if not self.tenant_weight > 0:  # also refuses NaN

@@ -207,8 +207,9 @@ def test_a_stopped_runners_lines_are_finished_by_another_each_once_and_metered_o
 
 
 class _LostEngine:
-    """The engine client, except that until `until` each batch-class request fails after its first token, as
-    when the engine replica running it is lost (the engine accepted it and ran some of it)."""
+    """The engine client, except that until `until` each batch-class request fails after its first token or
+    before its end, as when the engine replica running it is lost (the engine accepted it and ran some of
+    it)."""
 
     def __init__(self, inner: Any, until: float) -> None:
         self.inner, self.until, self.failed = inner, until, 0
@@ -226,6 +227,8 @@ class _LostEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         try:
             async for out in outputs:
+                if out.finished:  # lost before its end (a line answered whole has one output with tokens)
+                    break
                 yield out
                 if out.token_ids:
                     break

@@ -21,7 +21,8 @@ from tests.app.test_metering import usage_rows
 
 class LosesFirstAttempts:
     """The real in-process engine, except that the first `losses` attempts lose their replica after
-    `after` outputs, as the Serve client reports a replica that died mid-stream."""
+    `after` tokens (before the output that would bring more: a non-streamed request gets its tokens in one
+    output), as the Serve client reports a replica that died mid-stream."""
 
     def __init__(self, inner: EngineClient, *, losses: int, after: int) -> None:
         self.inner, self.losses, self.after, self.attempts = inner, losses, after, 0
@@ -33,9 +34,9 @@ class LosesFirstAttempts:
         delivered = 0
         try:
             async for output in outputs:
-                if lose and delivered == self.after:
+                if lose and delivered + len(output.token_ids) > self.after:
                     raise ReplicaLost(request.request_id, delivered)
-                delivered += not output.accepted  # the engine's acceptance carries no tokens
+                delivered += len(output.token_ids)
                 yield output
         finally:
             await outputs.aclose()

@@ -9,7 +9,7 @@ import pytest
 from deployments.engine.async_engine import AsyncEngine
 from deployments.engine.config import EngineConfig
 from deployments.engine.errors import EngineStopped, PromptTooLong
-from deployments.engine.interface import EngineRequest, EngineStats, FinishReason
+from deployments.engine.interface import EngineRequest, EngineStats, FinishReason, RequestOutput
 from deployments.engine.sampling_params import SamplingParams
 from tests.engine.helpers import drain, make_engine, running, text, tiny_config, tokens
 from tests.model_fixtures import TinySetup
@@ -60,6 +60,48 @@ async def test_concurrent_requests_over_many_adapters(engine: AsyncEngine, llama
     assert stats.waiting == 0
     assert stats.steps > 0
     assert stats.step_seconds > stats.busy_seconds > 0  # a whole step holds its timed forward and sampling
+
+
+async def test_a_whole_request_gets_each_choice_once_with_every_token_a_step_would_have_sent(
+    engine: AsyncEngine, llama: TinySetup
+) -> None:
+    """A request answered at its end (`whole`: non-streamed, a batch line) gets its announcement and then
+    one output per choice, holding the text, tokens, logprobs and prompt logprobs of every step's."""
+    params = SamplingParams(
+        max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1
+    )
+    ref = llama.refs["demo-pirate"]
+
+    async def outputs(rid: str, whole: bool) -> list[RequestOutput]:
+        request = EngineRequest(rid, [1, 2, 3, 4], params, ref, announce=True, whole=whole)
+        return [out async for out in engine.generate(request)]
+
+    steps, whole = await outputs("steps", False), await outputs("whole", True)
+    assert whole[0].accepted and not whole[0].token_ids  # announced at once, as before
+    answered = whole[1:]
+    assert sorted(out.index for out in answered) == [0, 1] and answered[-1].finished
+    assert all(out.finish_reason is FinishReason.LENGTH for out in answered)
+    assert len([out for out in steps if out.token_ids]) > len(answered)  # a step's output each, before
+    for out in answered:
+        mine = [o for o in steps if o.index == out.index and not o.accepted]
+        assert out.token_ids == tokens(mine) and out.text == text(mine) and len(out.token_ids) == 12
+        assert [lp.token_id for lp in out.logprobs or []] == out.token_ids
+        assert out.logprobs == [lp for o in mine for lp in o.logprobs or []]
+        assert out.prompt_logprobs == next(o.prompt_logprobs for o in mine if o.prompt_logprobs is not None)
+    assert answered[-1].usage is not None and answered[-1].usage.completion_tokens == 24
+
+
+async def test_an_aborted_whole_request_still_hands_back_what_it_generated(engine: AsyncEngine) -> None:
+    request = EngineRequest("whole-abort", [1, 2, 3], LONG, announce=True, whole=True)
+    stream = engine.generate(request)
+    assert (await anext(stream)).accepted
+    before = engine.stats().generated_tokens
+    while engine.stats().generated_tokens < before + 5:  # it is decoding
+        await asyncio.sleep(0.002)
+    assert await engine.abort("whole-abort")
+    rest = [out async for out in stream]
+    assert len(rest) == 1 and rest[0].finish_reason is FinishReason.ABORT and rest[0].finished
+    assert rest[0].usage is not None and len(rest[0].token_ids) == rest[0].usage.completion_tokens >= 5
 
 
 LONG = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)  # seconds of work on the tiny model
