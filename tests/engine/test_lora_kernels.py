@@ -1,6 +1,8 @@
 """Every multi-LoRA kernel computes the same delta as the plain per-segment reference."""
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -127,3 +129,43 @@ def test_misaligned_shapes_never_get_grouped_mm(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr("deployments.engine.model.lora_kernels._cpu_extension", lambda: None)
     assert select_kernel(torch.bfloat16, torch.device("cpu"), {64, 4})[0] == "loop"  # rank 4 = 8 bytes
     assert select_kernel(torch.bfloat16, torch.device("cpu"), {64, 16})[0] == "grouped_mm"
+
+
+def test_the_native_kernel_lets_other_threads_run_while_it_computes() -> None:
+    """The engine loop runs the delta for every projection of every step: holding the GIL meanwhile would
+    stall the replica's event loop (token delivery, new requests) for its length, as a pybind call does
+    unless told otherwise. A ticking thread must get ticks in while one long call runs."""
+    if _cpu_extension() is None:
+        missing("the native CPU kernel did not build here (the engine falls back to the torch kernels)")
+    gen = torch.Generator().manual_seed(0)
+    slots, width, rank, segment = 8, 1024, 64, 16  # decode-sized segments: the kernel's own loops
+    a = torch.randn(slots, width, rank, generator=gen)
+    b = torch.randn(slots, rank, width, generator=gen)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        for tokens in (2048, 8192, 32768):  # until one call lasts long enough to tell
+            x = torch.randn(tokens, width, generator=gen)
+            y = torch.zeros(tokens, width)
+            rows = [(g % slots, g * segment, (g + 1) * segment) for g in range(tokens // segment)]
+            table = torch.tensor(rows, dtype=torch.int64)
+            offsets = torch.zeros(slots, dtype=torch.int64)  # unread by this kernel
+            batch = LoRABatch(num_lora_tokens=tokens, offsets=offsets, segments=[], segment_table=table)
+            started = time.monotonic()
+            sgmv_cpu_kernel(y, x, a, b, batch)
+            ended = time.monotonic()
+            if ended - started >= 0.1:
+                break
+    finally:
+        stop.set()
+        ticker.join()
+    assert ended - started >= 0.1, "no call lasted long enough to tell"
+    margin = 0.02  # the interpreter hands the GIL over every 5 ms
+    assert any(started + margin < t < ended - margin for t in ticks)

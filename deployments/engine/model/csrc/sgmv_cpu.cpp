@@ -269,4 +269,8 @@ void sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, to
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("sgmv", &sgmv, "segmented multi-LoRA delta (CPU)"); }
+// Without the GIL, as torch's own ops run: the engine loop's delta must not stall the replica's event loop
+// (token delivery, new requests, health checks) for its length.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sgmv", &sgmv, "segmented multi-LoRA delta (CPU)", pybind11::call_guard<pybind11::gil_scoped_release>());
+}
