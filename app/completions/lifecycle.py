@@ -143,9 +143,7 @@ class RequestLifecycle:
             tenant_weight=principal.weight,  # the tier's share in it
             max_gpu_ms=self.admission.max_gpu_ms,  # its hold covers this much GPU time, no more
             priority=self.priority,
-            # Answered at its end: no output a step to carry and wake for. A thinking model's reasoning
-            # tokens are counted by output (one token each: app/completions/reasoning.py), so not there.
-            whole=not self.stream and not plan.shape.reasoning,
+            whole=not self.stream,  # answered at its end: no output a step to carry and wake for
         )
         self._outputs = self._engine_outputs()
         try:

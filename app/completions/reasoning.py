@@ -89,13 +89,22 @@ class ReasoningStream:
         content.append(self._content.push(text))
         return "".join(reasoning), "".join(content)
 
-    def take(self, text: str, tokens: int, ends: bool) -> tuple[str, str]:
-        """One engine output: its text split, its tokens counted as reasoning if any of its text was (one
-        output is one token but where the detokenizer held text back: the closing output's content tokens,
-        if any, count with it), and all released when it `ends` the output."""
-        reasoning, content = self.feed(text)
-        if self.reasoned:
-            self.tokens += tokens
+    def take(self, text: str, steps: list[tuple[int, int]], ends: bool) -> tuple[str, str]:
+        """One engine output: its text split, and the tokens of each of its steps ((end in `text`, tokens):
+        RequestOutput.steps, one for a streamed output, one a token for a whole one) counted as reasoning
+        if any of that step's text was (a step is one token but where the detokenizer held text back: the
+        closing step's content tokens, if any, count with it), and all released when it `ends` the output."""
+        parts: list[str] = []
+        contents: list[str] = []
+        start = 0
+        for end, tokens in steps:
+            part, more = self.feed(text[start:end])
+            start = end
+            parts.append(part)
+            contents.append(more)
+            if self.reasoned:
+                self.tokens += tokens
+        reasoning, content = "".join(parts), "".join(contents)
         if ends:
             more_reasoning, more_content = self.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content

@@ -177,9 +177,7 @@ class ChoiceRenderer:
         """(reasoning, content) of an output's text."""
         if choice.reasoning is None:
             return "", out.text
-        return choice.reasoning.take(
-            out.text, len(out.token_ids), out.finish_reason is not None or out.finished
-        )
+        return choice.reasoning.take(out.text, out.steps(), out.finish_reason is not None or out.finished)
 
     def _get(self, index: int) -> Choice:
         choice = self._choices.get(index)

@@ -83,9 +83,7 @@ class ResponsesRenderer:
         """(reasoning, content) of an output's text, its tokens counted as chat counts them."""
         if self._reasoning is None:
             return "", out.text
-        return self._reasoning.take(
-            out.text, len(out.token_ids), out.finish_reason is not None or out.finished
-        )
+        return self._reasoning.take(out.text, out.steps(), out.finish_reason is not None or out.finished)
 
     # -- whole responses ----------------------------------------------------------------------------
 

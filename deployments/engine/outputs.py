@@ -69,11 +69,19 @@ class RequestOutput:
     # On a choice's last output (finish_reason LENGTH): the request reached its GPU-time bound
     # (EngineRequest.max_gpu_ms), not its max_tokens.
     gpu_limited: bool = False
+    # A `whole` output's steps: each one's end in `text` and its token count, for a reader that counts
+    # tokens by the text around them (a thinking model's reasoning tokens). None: one step.
+    pieces: list[tuple[int, int]] | None = None
+
+    def steps(self) -> list[tuple[int, int]]:
+        """(end in `text`, tokens) of each step this output holds."""
+        return self.pieces if self.pieces is not None else [(len(self.text), len(self.token_ids))]
 
 
 def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two successive outputs of one choice as one: the text, tokens and logprobs of both, the prompt's
-    logprobs from the first that has them, and the rest (finish, usage, flags) from the later."""
+    logprobs from the first that has them, each one's steps, and the rest (finish, usage, flags) from the
+    later."""
     logprobs = None
     if earlier.logprobs is not None or later.logprobs is not None:
         logprobs = [*(earlier.logprobs or ()), *(later.logprobs or ())]
@@ -85,6 +93,7 @@ def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
         logprobs=logprobs,
         prompt_logprobs=prompt,
         usage=later.usage if later.usage is not None else earlier.usage,
+        pieces=[*earlier.steps(), *((len(earlier.text) + end, n) for end, n in later.steps())],
     )
 
 

@@ -87,6 +87,24 @@ def test_tokens_count_as_reasoning_until_the_close() -> None:
     assert reasoned == [True, True, True, False]
 
 
+def test_one_whole_output_counts_its_reasoning_tokens_as_its_steps_one_by_one_would() -> None:
+    """A non-streamed request gets one output a choice (EngineRequest.whole) with each step's end in its
+    text: the reasoning tokens counted off it equal those of the same steps taken one output each."""
+    steps = ["<think>", " plan", "", " more", "</think>", "\n\n", " answer", " done"]  # "": text held back
+    one_by_one = ReasoningStream()
+    parts = [one_by_one.take(text, [(len(text), 1)], i == len(steps) - 1) for i, text in enumerate(steps)]
+    ends = [sum(map(len, steps[: i + 1])) for i in range(len(steps))]
+    whole = ReasoningStream()
+    assert whole.take("".join(steps), [(end, 1) for end in ends], True) == (
+        "".join(r for r, _ in parts),
+        "".join(c for _, c in parts),
+    )
+    assert whole.tokens == one_by_one.tokens == 5
+    unsplit = ReasoningStream()  # one step for the whole text would count every token as reasoning
+    unsplit.take("".join(steps), [(ends[-1], len(steps))], True)
+    assert unsplit.tokens == len(steps)
+
+
 def test_the_template_says_whether_a_model_thinks_and_how_it_calls_tools() -> None:
     assert ChatFormat.of(QWEN3_TEMPLATE) == ChatFormat(thinks=True, tools=HERMES)
     assert ChatFormat.of(CHAT_TEMPLATE) == ChatFormat(thinks=False, tools=HERMES)

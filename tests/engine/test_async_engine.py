@@ -88,6 +88,8 @@ async def test_a_whole_request_gets_each_choice_once_with_every_token_a_step_wou
         assert [lp.token_id for lp in out.logprobs or []] == out.token_ids
         assert out.logprobs == [lp for o in mine for lp in o.logprobs or []]
         assert out.prompt_logprobs == next(o.prompt_logprobs for o in mine if o.prompt_logprobs is not None)
+        ends = [sum(len(o.text) for o in mine[: i + 1]) for i in range(len(mine))]
+        assert out.steps() == [(end, len(o.token_ids)) for end, o in zip(ends, mine, strict=True)]
     assert answered[-1].usage is not None and answered[-1].usage.completion_tokens == 24
 
 
