@@ -47,24 +47,22 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     whole: bool = False  # EngineRequest.whole: each choice's output once it ends
-    held: dict[int, RequestOutput] = field(default_factory=dict)  # by choice, the loop thread's alone
+    held: dict[int, list[RequestOutput]] = field(default_factory=dict)  # by choice; the loop thread's
 
     def ready(self, out: RequestOutput) -> list[RequestOutput]:
         """What to deliver of `out` now: all of it, or for a `whole` request each choice once it ends
         (the request's end brings whatever it still holds, e.g. of choices an abort cut short)."""
         if not self.whole:
             return [out]
-        earlier = self.held.pop(out.index, None)
-        if earlier is not None:
-            out = joined(earlier, out)
-        if out.finished:
-            rest = list(self.held.values())
-            self.held.clear()
-            return [*rest, out]
-        if out.finish_reason is None:
-            self.held[out.index] = out
+        if out.finish_reason is None and not out.finished:
+            self.held.setdefault(out.index, []).append(out)
             return []
-        return [out]
+        mine = joined([*self.held.pop(out.index, []), out])
+        if not out.finished:
+            return [mine]
+        rest = [joined(outputs) for outputs in self.held.values()]
+        self.held.clear()
+        return [*rest, mine]
 
 
 class AsyncEngine:

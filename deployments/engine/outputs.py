@@ -78,22 +78,29 @@ class RequestOutput:
         return self.pieces if self.pieces is not None else [(len(self.text), len(self.token_ids))]
 
 
-def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two successive outputs of one choice as one: the text, tokens and logprobs of both, the prompt's
-    logprobs from the first that has them, each one's steps, and the rest (finish, usage, flags) from the
-    later."""
+def joined(outputs: list[RequestOutput]) -> RequestOutput:
+    """Successive outputs of one choice as one, in one pass (a step's join would copy all before it):
+    the text, tokens and logprobs of all, the prompt's logprobs from the first that has them, each one's
+    steps, the latest usage, and the rest (finish, flags) from the last."""
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
     logprobs = None
-    if earlier.logprobs is not None or later.logprobs is not None:
-        logprobs = [*(earlier.logprobs or ()), *(later.logprobs or ())]
-    prompt = earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs
+    if any(o.logprobs is not None for o in outputs):
+        logprobs = [lp for o in outputs for lp in o.logprobs or ()]
+    pieces: list[tuple[int, int]] = []
+    offset = 0
+    for o in outputs:
+        pieces.extend((offset + end, n) for end, n in o.steps())
+        offset += len(o.text)
     return replace(
-        later,
-        text=earlier.text + later.text,
-        token_ids=[*earlier.token_ids, *later.token_ids],
+        last,
+        text="".join(o.text for o in outputs),
+        token_ids=[t for o in outputs for t in o.token_ids],
         logprobs=logprobs,
-        prompt_logprobs=prompt,
-        usage=later.usage if later.usage is not None else earlier.usage,
-        pieces=[*earlier.steps(), *((len(earlier.text) + end, n) for end, n in later.steps())],
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
+        usage=next((o.usage for o in reversed(outputs) if o.usage is not None), None),
+        pieces=pieces,
     )
 
 
