@@ -501,6 +501,14 @@ def test_random_operations_keep_the_table_consistent(seed: int, widest: int) -> 
         check_runs(table)
         if widest == 1:
             check_invariants(table)
+        kept = set(rng.sample(range(table.num_slots), 2))
+        for keep in (None, kept.__contains__):  # can_claim's scan finds a run exactly when the ranking does
+            for pages in range(1, table.num_slots + 2):
+                found = (
+                    table._free_run(pages) is not None
+                    or table._evictable_window(pages, None, keep) is not None
+                )
+                assert table.can_claim(pages, keep) == found
     while held:
         table.release(held.pop()[1])
         check_runs(table)

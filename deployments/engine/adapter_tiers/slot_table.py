@@ -92,8 +92,20 @@ class SlotTable:
         return slot
 
     def can_claim(self, pages: int, keep: Callable[[int], bool] | None = None) -> bool:
-        """Whether a claim of `pages` would find a run now (free pages, or idle ones not kept)."""
-        return self._free_run(pages) is not None or self._evictable_window(pages, None, keep) is not None
+        """Whether a claim of `pages` would find a run now (free pages, or idle ones not kept): `pages`
+        consecutive pages, each free or held by an idle, unpinned, unkept adapter. The plan asks at every
+        step, so this is a scan, not `_evictable_window`'s ranking of every window."""
+        if pages > self.num_slots:
+            return False
+        open_slots = {
+            s for s in self._idle if self._ref_at(s) not in self.pinned and not (keep is not None and keep(s))
+        }
+        run = 0
+        for owner in self._owner:
+            run = run + 1 if owner < 0 or owner in open_slots else 0
+            if run >= pages:
+                return True
+        return pages <= 0
 
     def _free_run(self, pages: int) -> int | None:
         """The start of the narrowest run of free pages at least `pages` long (the lowest such start)."""
