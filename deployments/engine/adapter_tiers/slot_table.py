@@ -97,15 +97,17 @@ class SlotTable:
         step, so this is a scan, not `_evictable_window`'s ranking of every window."""
         if pages > self.num_slots:
             return False
-        open_slots = {
-            s for s in self._idle if self._ref_at(s) not in self.pinned and not (keep is not None and keep(s))
-        }
+        open_slots = {s for s in self._idle if self._evictable(s, keep)}
         run = 0
         for owner in self._owner:
             run = run + 1 if owner < 0 or owner in open_slots else 0
             if run >= pages:
                 return True
         return pages <= 0
+
+    def _evictable(self, idle_slot: int, keep: Callable[[int], bool] | None) -> bool:
+        """Whether an idle slot's adapter may be evicted for a claim: not pinned, not kept by the caller."""
+        return self._ref_at(idle_slot) not in self.pinned and not (keep is not None and keep(idle_slot))
 
     def _free_run(self, pages: int) -> int | None:
         """The start of the narrowest run of free pages at least `pages` long (the lowest such start)."""
@@ -133,10 +135,9 @@ class SlotTable:
         worst = np.zeros(self.num_slots, dtype=np.int64)  # the occupant's score
         recency = np.full(self.num_slots, -1, dtype=np.int64)  # the occupant's place in LRU order
         for order, slot in enumerate(self._idle):
-            ref = self._ref_at(slot)
-            if ref in self.pinned or (keep is not None and keep(slot)):
+            if not self._evictable(slot, keep):
                 continue
-            run = slice(slot, slot + self._pages[slot])
+            run, ref = slice(slot, slot + self._pages[slot]), self._ref_at(slot)
             blocked[run], worst[run], recency[run] = 0, 0 if score is None else score(ref), order
         occupied = np.array([owner >= 0 for owner in self._owner], dtype=np.int64)
         blocked[occupied == 0] = 0
@@ -166,9 +167,7 @@ class SlotTable:
             if owner < 0 or owner in busy:
                 usable[page] = True
             elif owner in self._idle:
-                usable[page] = self._ref_at(owner) not in self.pinned and not (
-                    keep is not None and keep(owner)
-                )
+                usable[page] = self._evictable(owner, keep)
         best: tuple[tuple[int, ...], list[int]] | None = None
         for start in range(self.num_slots - pages + 1):
             if not usable[start : start + pages].all():
