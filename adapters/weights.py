@@ -36,6 +36,9 @@ class LoRAModuleWeights:
 class AdapterWeights:
     spec: AdapterSpec
     modules: dict[str, LoRAModuleWeights] = field(default_factory=dict)  # keyed by base-model module path
+    # The engine's page-shaped copy sources by page rank (views of a and b, padded last pages), prepared
+    # where the adapter is read so that a load on the engine's thread is one copy call.
+    page_sources: dict[int, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:

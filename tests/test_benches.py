@@ -69,6 +69,7 @@ BENCHES = {
         "cached_tokens_exact",
     },
     "host_overhead": {"step_ms", "lora_vs_base", "phases_ms", "torch_ops_per_step"},
+    "slot_load": {"ms", "ratio_one_call_vs_per_module", "modules", "pages"},
     "family_step": {"families", "ratios", "goal_speedup_vs_hf"},
     "gpu_check": {"env", "correctness", "host", "families"},
     "awq_step": {"linear", "step_ms", "step_ratio_vs_bf16"},

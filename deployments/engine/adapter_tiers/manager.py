@@ -42,7 +42,12 @@ from adapters.weights import AdapterWeights, load_adapter_weights
 from deployments.engine.adapter_tiers.cpu_cache import CpuAdapterCache
 from deployments.engine.adapter_tiers.slot_table import SlotTable
 from deployments.engine.adapter_tiers.spec_cache import AdapterSpecs
-from deployments.engine.model.lora_layers import MultiLoRALinear, load_adapter_into_slot, pages_for_rank
+from deployments.engine.model.lora_layers import (
+    MultiLoRALinear,
+    load_adapter_into_slot,
+    pages_for_rank,
+    prepare_pages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -477,9 +482,12 @@ class AdapterManager:
                 )
         if problems:
             raise AdapterInvalid(problems)
-        if self._device.type == "cuda":  # pinned host memory makes the slot copy asynchronous
+        cuda = self._device.type == "cuda"
+        if cuda:  # pinned host memory makes the slot copy asynchronous
             for w in weights.modules.values():
                 w.a, w.b = w.a.pin_memory(), w.b.pin_memory()
+        if self._modules:  # here, on the loader's thread: a load on the engine's is then one copy call
+            prepare_pages(weights, next(iter(self._modules.values())).page_rank, pin=cuda)
         self.disk_loads[str(ref)] += 1
         log.info("adapter %s loaded into CPU memory (%.1f MiB)", ref, weights.nbytes / 2**20)
         return weights

@@ -10,9 +10,17 @@ pages: the kernels keep reading one page per segment). The model runner orders a
 and dtype.
 MLP linears never see forward kwargs, so all layers read the step's segments from one shared LoRAContext
 that the engine owns (no module-level global: two engines in one process stay independent).
+
+Writing an adapter into its pages is one `torch._foreach_copy_` over every module's pages, from page-shaped
+sources prepared off the engine's thread (`prepare_pages`, on the adapter tiers' loader): a torch op
+releases the GIL, and taking it back waits for the switch interval (5 ms) while another thread of the
+process runs Python (the app's event loop, a Serve replica's), so a load of four small ops per module took
+tens of milliseconds inside busy steps where it takes one on an idle process (bench/slot_load.py).
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -56,6 +64,18 @@ class MultiLoRALinear(nn.Module):
         self.lora_a: torch.Tensor
         self.lora_b: torch.Tensor
         self._context = context
+        self._pages: PageViews | None = None
+
+    def page_views(self) -> "PageViews":
+        """Each page of A and B as a view, and a zero page of each (cached until the buffers are replaced,
+        e.g. by `.to()`), so a load indexes them instead of slicing at every call."""
+        views = self._pages
+        if views is None or views.a is not self.lora_a or views.b is not self.lora_b:
+            a, b = self.lora_a, self.lora_b
+            views = self._pages = PageViews(
+                a, b, a.unbind(0), b.unbind(0), torch.zeros_like(a[0]), torch.zeros_like(b[0])
+            )
+        return views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_lora(x, self.base(x))
@@ -78,18 +98,69 @@ class MultiLoRALinear(nn.Module):
     @torch.no_grad()
     def load_slot(self, slot: int, pages: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Write one adapter's A [r, in] and B [out, r] (scaled) into the `pages` pages from `slot` on; None
-        clears them. r <= pages x page_rank."""
-        run = slice(slot, slot + pages)
-        self.lora_a[run].zero_()
-        self.lora_b[run].zero_()
-        if a is None or b is None:
-            return
-        r, width = a.shape[0], self.page_rank
-        assert r <= pages * width, f"rank {r} does not fit {pages} pages of {width}"
-        for page, first in enumerate(range(0, r, width)):
-            last = min(r, first + width)
-            self.lora_a[slot + page, :, : last - first].copy_(a[first:last].t(), non_blocking=True)
-            self.lora_b[slot + page, : last - first, :].copy_(b[:, first:last].t(), non_blocking=True)
+        clears them; r <= pages x page_rank. The engine loads all modules at once: load_adapter_into_slot."""
+        own = [] if a is None or b is None else module_pages(a, b, self.page_rank, pin=False)
+        assert len(own) <= pages, f"rank {a.shape[0] if a is not None else 0} does not fit {pages} pages"
+        dst, src = self._page_copies(slot, pages, own)
+        torch._foreach_copy_(dst, src, non_blocking=True)
+
+    def _page_copies(
+        self, slot: int, pages: int, own: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Destination pages and their sources: the adapter's own pages, then zero pages to the run's end."""
+        views = self.page_views()
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for j in range(pages):
+            a, b = own[j] if j < len(own) else (views.zero_a, views.zero_b)
+            dst += (views.a_pages[slot + j], views.b_pages[slot + j])
+            src += (a, b)
+        return dst, src
+
+
+@dataclass(frozen=True, slots=True)
+class PageViews:
+    """A module's adapter buffers, each page of them as a view, and one zero page of each."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_pages: tuple[torch.Tensor, ...]  # [in, page_rank] each
+    b_pages: tuple[torch.Tensor, ...]  # [page_rank, out] each
+    zero_a: torch.Tensor
+    zero_b: torch.Tensor
+
+
+PagedSources = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]  # module path -> its pages' (A, B)
+
+
+def module_pages(
+    a: torch.Tensor, b: torch.Tensor, page_rank: int, *, pin: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A [r, in] and B [out, r] as page-shaped sources, (A^T [in, page_rank], B^T [page_rank, out]) a page:
+    views of full pages, a zero-padded copy of a last partial one (pinned with `pin`, for a device copy)."""
+    r = a.shape[0]
+    pages: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for first in range(0, r, page_rank):
+        last = min(r, first + page_rank)
+        a_page, b_page = a[first:last].t(), b[:, first:last].t()
+        if last - first < page_rank:  # padding: zeros add nothing to the delta
+            a_pad = a.new_zeros(a.shape[1], page_rank, pin_memory=pin)
+            b_pad = b.new_zeros(page_rank, b.shape[0], pin_memory=pin)
+            a_pad[:, : last - first] = a_page
+            b_pad[: last - first] = b_page
+            a_page, b_page = a_pad, b_pad
+        pages.append((a_page, b_page))
+    return pages
+
+
+def prepare_pages(weights: AdapterWeights, page_rank: int, *, pin: bool = False) -> PagedSources:
+    """The adapter's page-shaped sources for every module it targets, cached on `weights` (by page rank):
+    the adapter tiers call this as they read an adapter, off the engine's thread."""
+    cached = weights.page_sources.get(page_rank)
+    if cached is None:
+        cached = {path: module_pages(w.a, w.b, page_rank, pin=pin) for path, w in weights.modules.items()}
+        weights.page_sources[page_rank] = cached
+    return cast(PagedSources, cached)
 
 
 def wrap_lora_modules(
@@ -124,14 +195,25 @@ def wrap_lora_modules(
     return wrapped
 
 
+@torch.no_grad()
 def load_adapter_into_slot(
     modules: dict[str, MultiLoRALinear], slot: int, pages: int, weights: AdapterWeights | None
 ) -> None:
     """Write an adapter into the `pages` pages from `slot` on in every wrapped module (modules it does not
-    target get zeros)."""
+    target get zeros), or clear them: one copy call for all of them (the module docstring says why)."""
+    if not modules:
+        return
+    page_rank = next(iter(modules.values())).page_rank
+    sources: PagedSources = {} if weights is None else prepare_pages(weights, page_rank)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
     for path, module in modules.items():
-        w = None if weights is None else weights.modules.get(path)
-        module.load_slot(slot, pages, None if w is None else w.a, None if w is None else w.b)
+        own = sources.get(path, [])
+        assert len(own) <= pages, f"{path}: {len(own)} pages do not fit a run of {pages}"
+        d, s = module._page_copies(slot, pages, own)
+        dst += d
+        src += s
+    torch._foreach_copy_(dst, src, non_blocking=True)
 
 
 def pages_for_rank(rank: int, page_rank: int) -> int:
