@@ -70,6 +70,7 @@ BENCHES = {
     },
     "host_overhead": {"step_ms", "lora_vs_base", "phases_ms", "torch_ops_per_step"},
     "slot_load": {"ms", "ratio_one_call_vs_per_module", "modules", "pages"},
+    "cpu_threads": {"threads", "decode_ms", "prefill_ms", "decode_ratio_less_one_vs_all"},
     "family_step": {"families", "ratios", "goal_speedup_vs_hf"},
     "gpu_check": {"env", "correctness", "host", "families"},
     "awq_step": {"linear", "step_ms", "step_ratio_vs_bf16"},

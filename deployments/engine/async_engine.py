@@ -21,10 +21,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+import torch
+
 from adapters.ref import AdapterRef
 from adapters.registered_digest import DigestSource
 from deployments.engine.adapter_tiers.manager import AdapterManager
 from deployments.engine.config import EngineConfig
+from deployments.engine.cpu_features import engine_threads
 from deployments.engine.errors import (
     DuplicateRequestId,
     EngineStopped,
@@ -74,6 +77,10 @@ class AsyncEngine:
         replica_name: str | None = None,
         adapter_digests: DigestSource | None = None,
     ) -> None:
+        threads = engine_threads(config.cpu_threads)
+        if torch.get_num_threads() != threads:  # process-wide: this engine's process serves it
+            log.info("torch intra-op threads: %d -> %d", torch.get_num_threads(), threads)
+            torch.set_num_threads(threads)
         self._engine = LLMEngine(
             config, loaded=loaded, replica_name=replica_name, adapter_digests=adapter_digests
         )

@@ -72,6 +72,17 @@ class EngineConfig(BaseModel):
         ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto picks CUDA if present.")
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "torch's intra-op threads in a served engine's process (the forward on a CPU, host work on a "
+            "GPU). Unset: the cores this process may run on less one, at least one. The core left runs "
+            "the replica's event loop, the app and the batch runner; a forward whose parallel regions span "
+            "every core waits at each region for a worker that such work preempted, which made a 2-core "
+            "decode step 2.5x slower beside one busy process (bench/cpu_threads.py)."
+        ),
+    )
     max_loras: int | None = Field(
         default=None,
         ge=1,

@@ -41,3 +41,11 @@ def cpu_features() -> CpuFeatures:
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
     return CpuFeatures(model=model, cores=os.cpu_count() or 1, flags=frozenset(flags))
+
+
+def engine_threads(configured: int | None) -> int:
+    """Intra-op threads for a served engine: `configured`, else the cores this process may use less one
+    (EngineConfig.cpu_threads says why), at least one."""
+    if configured is not None:
+        return configured
+    return max(1, len(os.sched_getaffinity(0)) - 1)
