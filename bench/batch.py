@@ -113,7 +113,8 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields of both modes, over its model and store."""
     return {"num_kv_blocks": args.kv_blocks, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_loras": args.slots,
-            "max_lora_rank": 16, "batch_step_tokens": args.batch_step_tokens}  # fmt: skip
+            "max_lora_rank": 16, "batch_step_tokens": args.batch_step_tokens,
+            "cpu_threads": args.cpu_threads}  # fmt: skip
 
 
 def _ingress_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -481,6 +482,16 @@ async def ttft_beside(http: httpx.AsyncClient, args: argparse.Namespace, p: Plat
         "step_ms_ratio": last["step_ms_ratio"],
         "ratios": last["ratios"],
         "alone_ttft_p99_s": spread([a["ttft_p99"] for a in alone]),
+        "alone_itl_p99_ms": spread([1e3 * a["itl_p99"] for a in alone]),
+        "beside_itl_p99_ms": spread([1e3 * b["itl_p99"] for b in beside[labels[-1]]]),
+        **(
+            {
+                "alone_step_ms": spread([a["step_ms"] for a in alone]),
+                "beside_step_ms": spread([b["step_ms"] for b in beside[labels[-1]]]),
+            }
+            if all("step_ms" in run for run in (*alone, *beside[labels[-1]]))
+            else {}
+        ),
         "beside_ttft_p99_s": last["beside_ttft_p99_s"],
         "batch_lines_done_meanwhile": last["batch_lines_done_meanwhile"],
         "engine_side": {  # every round's requests together
@@ -525,6 +536,12 @@ def main() -> None:
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--ttft", action="store_true", help="also the interactive TTFT beside a batch")
     parser.add_argument("--ttft-users", type=int, default=4)
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="the engine's EngineConfig.cpu_threads (unset: its default)",
+    )
     parser.add_argument("--ttft-requests", type=int, default=40)
     parser.add_argument(
         "--serve",
