@@ -486,8 +486,8 @@ class AdapterManager:
         if cuda:  # pinned host memory makes the slot copy asynchronous
             for w in weights.modules.values():
                 w.a, w.b = w.a.pin_memory(), w.b.pin_memory()
-        if self._modules:  # here, on the loader's thread: a load on the engine's is then one copy call
-            prepare_pages(weights, next(iter(self._modules.values())).page_rank, pin=cuda)
+        # Here, on the loader's thread, so that a load on the engine's thread is one copy call.
+        prepare_pages(weights, self.page_rank, pin=cuda)
         self.disk_loads[str(ref)] += 1
         log.info("adapter %s loaded into CPU memory (%.1f MiB)", ref, weights.nbytes / 2**20)
         return weights
